@@ -1,0 +1,54 @@
+"""fxmem: how much memory one training step of a PyTorch model needs, per layer, at every batch size.
+
+>>> import fxmem, torch.nn as nn
+>>> report = fxmem.analyze(nn.Sequential(nn.Linear(512, 512), nn.ReLU()), ["B,512"], optimizer="adam")
+>>> report.activations.per_sample     # the ReLU keeps its 512 float32 outputs; the Linear keeps the input batch
+2048
+"""
+
+from fxmem.api import analyze
+from fxmem.errors import (
+    CaptureError,
+    DuplicateRuleError,
+    FxmemError,
+    InputSpecError,
+    LoadError,
+    NonLinearBatchError,
+    TraceError,
+)
+from fxmem.inputs import InputSpec, parse_inputs, parse_size
+from fxmem.load import load_model
+from fxmem.measure import Measurement, measure
+from fxmem.results import Kind, ModelSpec, NodeRecord, Report, StateBytes
+from fxmem.rules.ops import register_op_rule
+from fxmem.rules.optimizers import OptimizerRule, register_optimizer
+from fxmem.symbolic import ByteExpr
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ByteExpr",
+    "CaptureError",
+    "DuplicateRuleError",
+    "FxmemError",
+    "InputSpec",
+    "InputSpecError",
+    "Kind",
+    "LoadError",
+    "Measurement",
+    "ModelSpec",
+    "NodeRecord",
+    "NonLinearBatchError",
+    "OptimizerRule",
+    "Report",
+    "StateBytes",
+    "TraceError",
+    "__version__",
+    "analyze",
+    "load_model",
+    "measure",
+    "parse_inputs",
+    "parse_size",
+    "register_op_rule",
+    "register_optimizer",
+]

@@ -1,0 +1,3 @@
+from fxmem.cli import main
+
+raise SystemExit(main())

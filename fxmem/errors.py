@@ -1,0 +1,54 @@
+"""Errors a user can cause, each a one-paragraph message that names the culprit and the way out.
+
+Hierarchy::
+
+    * FxmemError              base of everything fxmem raises on purpose; the CLI prints it and exits 2
+      x LoadError             a model spec that cannot be imported, built or called
+      x InputSpecError        a malformed input shape, dtype, size or option value
+      x TraceError            torch.fx cannot trace the model (names the module and source line)
+      x CaptureError          the fake-tensor run failed at a node (names node, layer, shapes)
+      x NonLinearBatchError   a caller asked for a*B + c where the bytes are not linear in B
+      x DuplicateRuleError    a rule registered twice for the same key
+
+Anything else that escapes is a bug in fxmem, and the CLI shows its traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureError",
+    "DuplicateRuleError",
+    "FxmemError",
+    "InputSpecError",
+    "LoadError",
+    "NonLinearBatchError",
+    "TraceError",
+]
+
+
+class FxmemError(Exception):
+    """Base class: the message is meant for the user, as one paragraph."""
+
+
+class LoadError(FxmemError):
+    """The model spec could not be resolved to an ``nn.Module``."""
+
+
+class InputSpecError(FxmemError):
+    """An input shape, dtype, size or option value is malformed."""
+
+
+class TraceError(FxmemError):
+    """``torch.fx.symbolic_trace`` failed on the model."""
+
+
+class CaptureError(FxmemError):
+    """Running the traced graph on fake tensors failed at a node."""
+
+
+class NonLinearBatchError(FxmemError):
+    """The saved bytes are a polynomial of degree > 1 in the batch, where a*B + c was required."""
+
+
+class DuplicateRuleError(FxmemError):
+    """A registry key was registered twice."""

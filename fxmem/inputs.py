@@ -1,0 +1,181 @@
+"""Validating what the user typed, once, at the boundary: input shapes with the batch symbol B,
+dtypes, and memory sizes such as ``80GiB``.
+
+>>> parse_inputs(["B,3,32,32", "labels=B:int64"])
+(InputSpec(name=None, dims=('B', 3, 32, 32), dtype=torch.float32), InputSpec(name='labels', dims=('B',), dtype=torch.int64))
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fxmem.errors import InputSpecError
+
+__all__ = ["BATCH", "InputSpec", "InputSpecs", "format_dims", "make_tensor", "parse_inputs", "parse_size"]
+
+BATCH = "B"
+"""The symbol that marks the batch axis in an input shape."""
+
+DTYPES: Mapping[str, torch.dtype] = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "double": torch.float64,
+    "int64": torch.int64, "long": torch.int64, "int32": torch.int32, "int": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}  # fmt: skip
+
+_SIZE_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One model input: its shape with ``"B"`` on the batch axis, its dtype, and its keyword name (or None)."""
+
+    name: str | None
+    dims: tuple[int | str, ...]
+    dtype: torch.dtype = torch.float32
+
+    def shape_at(self, batch: object) -> tuple[object, ...]:
+        """The shape with B replaced by ``batch`` (an int or a SymInt)."""
+        return tuple(batch if d == BATCH else d for d in self.dims)
+
+    def __str__(self) -> str:
+        prefix = f"{self.name}=" if self.name else ""
+        return f"{prefix}{format_dims(self.dims)}:{dtype_name(self.dtype)}"
+
+
+InputSpecs = Sequence["str | tuple[int | str, ...] | InputSpec"] | Mapping[str, "str | tuple[int | str, ...] | InputSpec"]
+
+
+def format_dims(dims: Sequence[object]) -> str:
+    return ",".join(str(d) for d in dims)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_inputs(inputs: object) -> tuple[InputSpec, ...]:
+    """Turn a list (positional) or dict (keyword) of specs into InputSpecs, validating each once."""
+    if isinstance(inputs, (str, InputSpec)) or (isinstance(inputs, tuple) and _is_dims(inputs)):
+        inputs = [inputs]
+    if isinstance(inputs, Mapping):
+        specs = tuple(_parse_one(v, name=str(k)) for k, v in inputs.items())
+    elif isinstance(inputs, Sequence):
+        specs = tuple(_parse_one(v, name=None) for v in inputs)
+    else:
+        raise InputSpecError(
+            f"inputs must be a list (positional) or a dict (keyword) of shape specs such as 'B,3,224,224', "
+            f"got {type(inputs).__name__}."
+        )
+    if not specs:
+        raise InputSpecError("no inputs given: pass at least one shape spec such as 'B,3,224,224'.")
+    _check_order(specs)
+    return specs
+
+
+def _is_dims(value: tuple[object, ...]) -> bool:
+    return all(isinstance(d, (int, str)) for d in value)
+
+
+def _check_order(specs: tuple[InputSpec, ...]) -> None:
+    seen_keyword = False
+    for spec in specs:
+        if spec.name is None and seen_keyword:
+            raise InputSpecError(f"positional input {spec} comes after a keyword input; list positional inputs first.")
+        seen_keyword |= spec.name is not None
+
+
+def _parse_one(value: object, *, name: str | None) -> InputSpec:
+    if isinstance(value, InputSpec):
+        return value if name is None else InputSpec(name, value.dims, value.dtype)
+    if isinstance(value, str):
+        return _parse_string(value, name=name)
+    if isinstance(value, (tuple, list)) and _is_dims(tuple(value)):
+        return InputSpec(name, _check_dims(tuple(value), str(value)), torch.float32)
+    raise InputSpecError(f"input {name or ''} {value!r}: expected a shape such as 'B,3,224,224' or ('B', 3, 224, 224).")
+
+
+def _parse_string(text: str, *, name: str | None) -> InputSpec:
+    raw = text.strip()
+    if "=" in raw:
+        key, raw = (part.strip() for part in raw.split("=", 1))
+        if not key.isidentifier():
+            raise InputSpecError(f"input '{text}': '{key}' is not a valid keyword name.")
+        name = key
+    shape, _, dtype = raw.partition(":")
+    dims = tuple(_parse_dim(d.strip(), text) for d in shape.split(","))
+    return InputSpec(name, _check_dims(dims, text), parse_dtype(dtype.strip(), text) if dtype else torch.float32)
+
+
+def _parse_dim(token: str, text: str) -> int | str:
+    if re.fullmatch(r"\d+", token):
+        return int(token)
+    if re.fullmatch(r"[A-Za-z_]\w*", token):
+        return token
+    raise InputSpecError(
+        f"input '{text}': '{token}' is not a dimension; write positive integers and the batch symbol B, "
+        "separated by commas, e.g. 'B,3,224,224' or 'B,1024:int64'."
+    )
+
+
+def _check_dims(dims: tuple[int | str, ...], text: str) -> tuple[int | str, ...]:
+    for d in dims:
+        if isinstance(d, str) and d != BATCH:
+            raise InputSpecError(
+                f"input '{text}': unknown symbol '{d}'; the batch axis is written 'B' and every other "
+                "dimension must be a positive integer."
+            )
+        if isinstance(d, int) and d <= 0:
+            raise InputSpecError(f"input '{text}': dimension {d} must be positive.")
+    if dims.count(BATCH) != 1:
+        where = "has no batch axis" if BATCH not in dims else "names the batch axis B more than once"
+        raise InputSpecError(
+            f"input '{text}' {where}: mark exactly one axis with the symbol B, e.g. 'B,3,224,224' "
+            "(or '128,B,512' for sequence-first models)."
+        )
+    return dims
+
+
+def make_tensor(spec: InputSpec, batch: object) -> torch.Tensor:
+    """A tensor for ``spec`` at ``batch`` (fake under FakeTensorMode): random floats, integer zeros.
+
+    Integer inputs are zeros so that token ids and class indices are valid for any vocabulary.
+    """
+    shape = spec.shape_at(batch)
+    if spec.dtype.is_floating_point or spec.dtype.is_complex:
+        return torch.randn(shape, dtype=spec.dtype)
+    return torch.zeros(shape, dtype=spec.dtype)
+
+
+def parse_dtype(text: str, context: str = "") -> torch.dtype:
+    try:
+        return DTYPES[text.lower()]
+    except KeyError:
+        where = f"input '{context}': " if context else ""
+        raise InputSpecError(f"{where}unknown dtype '{text}'; use one of {', '.join(DTYPES)}.") from None
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """``'80GiB'``, ``'80 GB'``, ``'512MiB'`` or a plain number of bytes -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value, unit = float(text), "b"
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+        if not match or match.group(2).lower() not in _SIZE_UNITS | {"": 1}:
+            raise InputSpecError(
+                f"{what} '{text}' is not a size: write a positive number with a unit such as 80GiB, 80GB, "
+                f"512MiB or 1024B (units: {', '.join(['B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'])})."
+            )
+        value, unit = float(match.group(1)), (match.group(2).lower() or "b")
+    if value <= 0:
+        raise InputSpecError(f"{what} '{text}' must be positive.")
+    return int(value * _SIZE_UNITS[unit])

@@ -1,0 +1,100 @@
+"""The loss that turns a model's output into the scalar a training step needs.
+
+Each loss is part of the step, so what it saves (cross-entropy's log-softmax, which for an LLM's
+vocabulary is huge) is part of the activations. Targets are created beside the output with the
+output's batch axis and are classified as input data, like the batch itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fxmem.errors import InputSpecError
+
+__all__ = ["LOSSES", "Loss", "get_loss"]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A named loss: how to shape its target from the output, and how to compute it."""
+
+    name: str
+    summary: str
+    target: Callable[[torch.Tensor], tuple[tuple[object, ...], torch.dtype] | None]
+    compute: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+    def make_target(self, output: torch.Tensor) -> torch.Tensor | None:
+        """A target for ``output`` (fake under FakeTensorMode): zero class indices, or random floats."""
+        spec = self.target(output)
+        if spec is None:
+            return None
+        shape, dtype = spec
+        return torch.randn(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+
+
+def _no_target(out: torch.Tensor) -> None:
+    return None
+
+
+def _like_output(out: torch.Tensor) -> tuple[tuple[object, ...], torch.dtype]:
+    return tuple(out.shape), out.dtype
+
+
+def _class_dim1(out: torch.Tensor) -> tuple[tuple[object, ...], torch.dtype]:
+    if out.dim() < 2:
+        raise InputSpecError(
+            f"loss 'cross_entropy' needs an output of shape (B, classes, ...), got {out.dim()} dimension(s); "
+            "use --loss sum or mse for this model."
+        )
+    return (out.shape[0], *out.shape[2:]), torch.int64
+
+
+def _class_last(out: torch.Tensor) -> tuple[tuple[object, ...], torch.dtype]:
+    if out.dim() < 2:
+        raise InputSpecError("loss 'lm_cross_entropy' needs logits of shape (B, ..., vocab); use --loss sum or mse.")
+    return tuple(out.shape[:-1]), torch.int64
+
+
+def _lm_cross_entropy(out: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    assert target is not None
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _with_target(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def compute(out: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        assert target is not None
+        return fn(out, target)
+
+    return compute
+
+
+LOSSES: dict[str, Loss] = {
+    loss.name: loss
+    for loss in (
+        Loss("sum", "output.sum(): saves nothing, the neutral choice", _no_target, lambda out, _t: out.sum()),
+        Loss("mse", "F.mse_loss against a target shaped like the output", _like_output, _with_target(F.mse_loss)),
+        Loss(
+            "cross_entropy",
+            "F.cross_entropy with classes on dim 1 and class-index targets (B, or B,H,W for segmentation)",
+            _class_dim1,
+            _with_target(F.cross_entropy),
+        ),
+        Loss(
+            "lm_cross_entropy",
+            "language-model cross-entropy: logits (B,S,V) flattened to (B*S,V), token targets (B,S)",
+            _class_last,
+            _lm_cross_entropy,
+        ),
+    )
+}
+
+
+def get_loss(name: str) -> Loss:
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise InputSpecError(f"unknown loss '{name}'; use one of: {', '.join(LOSSES)}.") from None

@@ -1,0 +1,99 @@
+"""The truth that predictions are tested against: one real forward (and loss) on the CPU.
+
+``measure`` materializes the weights with random values, feeds random floats and zero integers, and
+records every tensor autograd saves with ``saved_tensors_hooks``, each storage once, leaving out
+parameters, buffers, inputs and targets. It does this twice, independently:
+
+- eagerly, by calling the model itself, without fx: the total a user can reproduce by hand;
+- through the traced graph, with the same recorder the fake pass uses: the per-node split.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxmem.capture import record_real
+from fxmem.errors import InputSpecError
+from fxmem.inputs import InputSpec, InputSpecs, make_tensor, parse_inputs
+from fxmem.losses import Loss, get_loss
+from fxmem.results import Kind
+from fxmem.tracing import trace_model
+
+__all__ = ["Measurement", "materialize", "measure"]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Measured activation bytes at one batch size: in total (eager run) and per fx node."""
+
+    batch: int
+    total: int
+    nodes: dict[str, int]
+
+    @property
+    def graph_total(self) -> int:
+        """The per-node bytes summed; equals ``total`` unless tracing changed what the model saves."""
+        return sum(self.nodes.values())
+
+
+def measure(model: nn.Module, inputs: InputSpecs, batch: int, *, loss: str = "sum", seed: int = 0) -> Measurement:
+    """Run the model for real on the CPU at ``batch`` and measure the activation bytes saved for backward."""
+    if not isinstance(batch, int) or batch < 1:
+        raise InputSpecError(f"batch must be a positive integer, got {batch!r}.")
+    specs, loss_fn = parse_inputs(inputs), get_loss(loss)
+    torch.manual_seed(seed)
+    real = materialize(model).train()
+    total = _eager_total(real, specs, loss_fn, batch)
+    capture = record_real(trace_model(real), specs, loss=loss_fn, batch=batch)
+    nodes: dict[str, int] = defaultdict(int)
+    for s in capture.saved:
+        if s.kind == Kind.ACTIVATION:
+            nodes[s.node] += s.nbytes.at(batch)
+    return Measurement(batch, total, dict(nodes))
+
+
+def materialize(model: nn.Module) -> nn.Module:
+    """A CPU copy with real weights if any tensor is on the meta device, else the model itself."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return model
+    real = copy.deepcopy(model).to_empty(device="cpu")
+    with torch.no_grad():
+        for b in real.buffers():
+            b.zero_()
+        for p in real.parameters():
+            p.normal_(0.0, 0.02)
+        for m in real.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    return real
+
+
+def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int) -> int:
+    """Saved activation bytes of ``model(...)`` plus the loss, without fx: the independent total."""
+    tensors = [make_tensor(s, batch) for s in specs]
+    args = [t for s, t in zip(specs, tensors) if s.name is None]
+    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    excluded = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(), *tensors]}
+    seen: dict[StorageWeakRef, int] = {}
+    alive: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        alive.append(t)
+        seen.setdefault(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*args, **kwargs)
+        output = next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        target = loss.make_target(output)
+        if target is not None:
+            excluded.add(StorageWeakRef(target.untyped_storage()))
+        loss.compute(output, target)
+    return sum(n for key, n in seen.items() if key not in excluded)

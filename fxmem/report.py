@@ -1,0 +1,261 @@
+"""Stage 7: a Report as text (table, markdown, csv) or as a JSON-ready dict. Never prints.
+
+The per-layer rows always add up to the activation total: every node's bytes land in exactly one row.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from tabulate import tabulate
+
+from fxmem.inputs import dtype_name, format_dims
+from fxmem.results import LayerRow, NodeRecord, Report
+from fxmem.symbolic import ByteExpr
+
+__all__ = ["FORMATS", "format_bytes", "group_layers", "render", "to_dict"]
+
+FORMATS = ("table", "markdown", "csv", "json")
+TOP_LEVEL = "(top level)"
+NOT_INCLUDED = (
+    "Not included yet: temporaries live during forward and backward, allocator rounding, and the "
+    "backward peak; these totals are model state + saved activations + the input batch."
+)
+
+
+def format_bytes(n: int) -> str:
+    """Binary units, three significant digits: 1536 -> '1.50 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_expr(expr: ByteExpr) -> str:
+    """'1.50 KiB·B + 8 B', with higher powers of B first when there are any."""
+    parts = [f"{format_bytes(c)}·B^{k + 2}" for k, c in reversed(list(enumerate(expr.higher))) if c]
+    parts += [f"{format_bytes(expr.per_sample)}·B"] if expr.per_sample else []
+    parts += [format_bytes(expr.fixed)] if expr.fixed or not parts else []
+    return " + ".join(parts)
+
+
+def _group_key(node: NodeRecord, depth: int | None) -> str:
+    fqn = node.fqn or TOP_LEVEL
+    if depth is None or fqn.startswith("("):
+        return fqn
+    return ".".join(fqn.split(".")[:depth]) if depth > 0 else "(model)"
+
+
+def group_layers(report: Report, depth: int | None = None) -> tuple[LayerRow, ...]:
+    """Rows by module path (truncated to ``depth`` components), in graph order, nodes with bytes only."""
+    groups: dict[str, list[NodeRecord]] = defaultdict(list)
+    for node in report.nodes:
+        if not node.saved.is_zero or any(node.exact.values()):
+            groups[_group_key(node, depth)].append(node)
+    return tuple(_layer_row(fqn, nodes) for fqn, nodes in groups.items())
+
+
+def _layer_row(fqn: str, nodes: Sequence[NodeRecord]) -> LayerRow:
+    exact: dict[int, int] = defaultdict(int)
+    for n in nodes:
+        for b, v in n.exact.items():
+            exact[b] += v
+    ops = tuple(dict.fromkeys(n.info.target for n in nodes))
+    return LayerRow(fqn, ops, nodes[-1].info.output_shape, ByteExpr.total(n.saved for n in nodes), dict(exact), tuple(n.name for n in nodes))
+
+
+def _layer_bytes(report: Report, rows: Sequence[LayerRow], batch: int) -> list[int]:
+    per_node = report.node_bytes(batch)
+    return [sum(per_node.get(n, 0) for n in row.nodes) for row in rows]
+
+
+def _rows(report: Report, depth: int | None, top: int | None) -> tuple[list[LayerRow], list[int], int]:
+    rows = list(group_layers(report, depth))
+    at = _layer_bytes(report, rows, report.batch)
+    total = sum(report.node_bytes(report.batch).values())
+    if top is not None:
+        order = sorted(range(len(rows)), key=lambda i: -at[i])[:top]
+        rows, at = [rows[i] for i in order], [at[i] for i in order]
+    return rows, at, total
+
+
+def _share(part: int, total: int) -> str:
+    return f"{100 * part / total:.1f}%" if total else "-"
+
+
+def _table_rows(report: Report, depth: int | None, top: int | None, raw: bool) -> tuple[list[str], list[list[Any]]]:
+    rows, at, total = _rows(report, depth, top)
+    b = report.batch
+    headers = ["Layer", "Op", "Output shape", "Per sample", "Constant", f"At B={b}", "Share"]
+    fmt = (lambda n: n) if raw else format_bytes
+    body = [
+        [r.fqn, "+".join(r.ops)[:40], format_dims(r.output_shape) if r.output_shape else "", fmt(r.saved.per_sample), fmt(r.saved.fixed), fmt(a), _share(a, total)]
+        for r, a in zip(rows, at)
+    ]
+    if top is None:
+        expr = report.activations
+        body.append(["Total activations", "", "", fmt(expr.per_sample), fmt(expr.fixed), fmt(total), _share(total, total)])
+    return headers, body
+
+
+def render(report: Report, fmt: str = "table", *, depth: int | None = None, top: int | None = None) -> str:
+    """The report as text in one of FORMATS."""
+    if fmt == "json":
+        return json.dumps(to_dict(report, depth=depth), indent=2)
+    if fmt == "csv":
+        headers, body = _table_rows(report, depth, top, raw=True)
+        out = io.StringIO()
+        csv.writer(out, lineterminator="\n").writerows([headers, *body])
+        return out.getvalue()
+    headers, body = _table_rows(report, depth, top, raw=False)
+    table = tabulate(body, headers=headers, tablefmt="github" if fmt == "markdown" else "simple", disable_numparse=True)
+    sections = [_title(report), table, _top_sentence(report, depth, top), _summary(report)]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _title(report: Report) -> str:
+    inputs = ", ".join(str(s) for s in report.inputs)
+    how = "one symbolic pass + B=1" if report.accounting.method == "symbolic" else "concrete passes"
+    return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({how})"
+
+
+def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
+    if top is None:
+        return ""
+    rows, at, total = _rows(report, depth, top)
+    return f"{len(rows)} layers hold {_share(sum(at), total)} of activation memory at B={report.batch}."
+
+
+def _summary(report: Report) -> str:
+    b, s = report.batch, report.state
+    half = max(1, b // 2)
+    act = report.activations + report.accounting.inputs
+    lines = [
+        ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at B={b}"],
+        ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at B={b}"],
+        [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
+        [f"Total at B={b}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
+        [f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)],
+        ["Floor at B=1", format_bytes(report.total_bytes(1)), "state + one sample"],
+        ["State : activations", _ratio(s.total, report.total_bytes(b) - s.total), _reading(s.total, report.total_bytes(b) - s.total)],
+    ]
+    if report.device_memory is not None:
+        lines.append(_device_line(report))
+    notes = [NOT_INCLUDED]
+    if report.batch_one_special:
+        notes.append(f"B=1 is special: {', '.join(report.batch_one_special[:5])} save different bytes at B=1 than the line predicts; B=1 figures are exact.")
+    if not report.accounting.linear:
+        notes.append(f"Saved bytes are not exactly linear in B ({report.accounting.note}); every figure at a given B is exact.")
+    elif report.accounting.method == "concrete":
+        notes.append(f"The batch could not stay symbolic; a*B + c fitted and verified by {report.accounting.note}.")
+    if act.higher:
+        notes.append(f"Activations grow faster than linearly: {act.polynomial()} bytes.")
+    notes += [f"Unsupported: node {u.node} ({u.fqn}): {u.reason}; counted as 0 B." for u in report.accounting.unsupported]
+    return tabulate(lines, tablefmt="plain", disable_numparse=True) + "\n\n" + "\n".join(notes)
+
+
+def _state_parts(report: Report) -> str:
+    s = report.state
+    return (
+        f"{s.parameters / 1e6:.2f}M params: weights {format_bytes(s.weights)}, buffers {format_bytes(s.buffers)}, "
+        f"gradients {format_bytes(s.gradients)}, optimizer {format_bytes(s.optimizer)}"
+    )
+
+
+def _saving(report: Report, b: int, half: int) -> str:
+    full, small = report.total_bytes(b), report.total_bytes(half)
+    return f"halving the batch saves {_share(full - small, full)} of the total" if half != b else ""
+
+
+def _ratio(state: int, scaled: int) -> str:
+    return f"1 : {scaled / state:.2f}" if state else "no state"
+
+
+def _reading(state: int, scaled: int) -> str:
+    if scaled > state:
+        return "activation-heavy: batch size is the strong lever"
+    return "state-heavy: the batch barely matters; shard or shrink the state (precision, optimizer)"
+
+
+def _device_line(report: Report) -> list[str]:
+    assert report.device_memory is not None
+    v = report.verdict(report.device_memory)
+    label = f"Device {format_bytes(v.budget)}"
+    if v.max_batch is None and not v.unbounded:
+        return [label, "does not fit", f"one sample needs {format_bytes(v.floor)}: no batch size fits; shrink the per-sample shape or the state"]
+    if v.unbounded:
+        return [label, "fits at any batch", "memory does not grow with B"]
+    return [label, f"largest batch {v.max_batch}", f"total {format_bytes(report.total_bytes(v.max_batch))} at B={v.max_batch}"]
+
+
+def _saved_tensor_dict(t: Any, batch: int) -> dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": t.dtype, "bytes": {"per_sample": t.nbytes.per_sample, "constant": t.nbytes.fixed}, "saved_by": list(t.saved_by)}
+
+
+def _expr_dict(e: ByteExpr) -> dict[str, Any]:
+    out: dict[str, Any] = {"per_sample": e.per_sample, "constant": e.fixed}
+    if e.higher:
+        out["polynomial"] = e.polynomial()
+    return out
+
+
+def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
+    """The JSON view: bytes are integers; per_sample and constant are the exact a and c."""
+    b, s = report.batch, report.state
+    out: dict[str, Any] = {
+        "model": report.model,
+        "loss": report.loss,
+        "method": report.accounting.method,
+        "linear_in_batch": report.accounting.linear,
+        "inputs": [
+            {"name": i.name, "shape": list(i.dims), "dtype": dtype_name(i.dtype), "bytes": _expr_dict(_input_expr(i))} for i in report.inputs
+        ],
+        "input_bytes": _expr_dict(report.accounting.inputs),
+        "model_state": {
+            "parameters": s.parameters, "trainable_parameters": s.trainable, "weights": s.weights,
+            "weights_by_dtype": dict(s.weights_by_dtype), "buffers": s.buffers, "gradients": s.gradients,
+            "optimizer": s.optimizer, "optimizer_name": s.optimizer_name, "total": s.total,
+        },  # fmt: skip
+        "activations": _expr_dict(report.activations),
+        "nodes": [_node_dict(n) for n in report.nodes],
+        "layers": [
+            {"layer": r.fqn, "ops": list(r.ops), "nodes": list(r.nodes), "saved": _expr_dict(r.saved), "bytes_at_batch": a}
+            for r, a in zip(group_layers(report, depth), _layer_bytes(report, group_layers(report, depth), b))
+        ],
+        "batch_one_special": list(report.batch_one_special),
+        "at_batch": {"batch": b, "activations": report.activation_bytes(b), "inputs": report.input_bytes(b), "total": report.total_bytes(b)},
+        "floor": report.total_bytes(1),
+        "device_memory": report.device_memory,
+        "max_batch": report.max_batch(report.device_memory) if report.device_memory is not None else None,
+        "unsupported": [{"node": u.node, "layer": u.fqn, "reason": u.reason} for u in report.accounting.unsupported],
+    }
+    return out
+
+
+def _input_expr(spec: Any) -> ByteExpr:
+    import torch
+
+    per = torch.empty((), dtype=spec.dtype).element_size()
+    for d in spec.dims:
+        per *= 1 if d == "B" else int(d)
+    return ByteExpr(per_sample=per)
+
+
+def _node_dict(n: NodeRecord) -> dict[str, Any]:
+    return {
+        "name": n.name,
+        "op": n.info.op,
+        "target": n.info.target,
+        "layer": n.fqn,
+        "output_shape": list(n.info.output_shape) if n.info.output_shape is not None else None,
+        "saved": _expr_dict(n.saved),
+        "saved_at_1": n.exact.get(1),
+        "saved_tensors": [_saved_tensor_dict(t, 1) for t in n.tensors],
+    }

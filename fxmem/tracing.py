@@ -1,0 +1,69 @@
+"""Stage 2: trace the model into an fx graph with ``torch.fx.symbolic_trace``'s tracer.
+
+Standard ``torch.nn`` modules stay leaves (one node each), as fx does by default; ``leaf_types``
+adds more. A model fx cannot trace gets a TraceError that names the module being traced when it
+failed and the user's source line.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from fxmem.errors import TraceError
+
+__all__ = ["trace_model"]
+
+
+class _Tracer(fx.Tracer):
+    """An fx Tracer that remembers which module it was inside when tracing failed."""
+
+    def __init__(self, leaf_types: Sequence[type]) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.leaf_types = tuple(leaf_types)
+        self.inside: list[str] = []
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        self.inside.append(self.path_of_module(m))
+        out = super().call_module(m, forward, args, kwargs)
+        self.inside.pop()
+        return out
+
+
+def trace_model(model: nn.Module, *, name: str = "model", leaf_types: Sequence[type] = ()) -> fx.GraphModule:
+    """Trace ``model`` (usually on the meta device) into a GraphModule sharing its submodules."""
+    tracer = _Tracer(leaf_types)
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:  # noqa: BLE001 - every tracing failure becomes one readable error
+        raise _trace_error(name, model, tracer, e) from e
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _trace_error(name: str, model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:
+    module = tracer.inside[-1] if tracer.inside and tracer.inside[-1] else "(top level)"
+    kind = type(model.get_submodule(module)).__name__ if module != "(top level)" else type(model).__name__
+    line = _user_line(e)
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    return TraceError(
+        f"model '{name}': torch.fx cannot trace module '{module}' ({kind}){line}: {reason}. fx traces Python "
+        "control flow with placeholders, so branches on tensor values or shapes fail; move that code into a "
+        f"leaf module (--leaf {kind}, traced as one opaque node), or rewrite it without the branch."
+    )
+
+
+def _user_line(e: BaseException) -> str:
+    """The innermost traceback frame outside torch, as ' at file:line (code)'."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename and "/fxmem/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} ({(f.line or '').strip()})"

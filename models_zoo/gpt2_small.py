@@ -1,0 +1,54 @@
+"""GPT-2 small (124M): pre-LN causal decoder, 12 layers, d=768, tied embeddings.
+
+The ``GPT`` class here is also used by ``gpt_7b``; only the sizes differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxmem.results import ModelSpec
+
+from ._transformer import Block
+
+__all__ = ["GPT", "build"]
+
+
+class GPT(nn.Module):
+    """Token + learned position embedding, ``layers`` pre-LN blocks, final LN, LM head."""
+
+    def __init__(
+        self, vocab: int, context: int, dim: int, layers: int, heads: int, dropout: float, tied: bool = True
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(context, dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(
+            *(Block(dim, heads, 4 * dim, dropout, causal=True, gelu="tanh") for _ in range(layers))
+        )
+        self.ln_f = nn.LayerNorm(dim)
+        # Tied (GPT-2): the LM head reuses tok.weight in forward. Assigning head.weight =
+        # tok.weight would tie too, but Module.to_empty() rebuilds each module's parameters
+        # separately and silently unties them, doubling the count on materialized models.
+        self.head = None if tied else nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map token ids (B, S) to next-token logits (B, S, vocab)."""
+        # arange(S) is computed in forward, not stored: no buffer for the engine to materialize.
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.drop(self.tok(idx) + self.pos(pos))
+        h = self.ln_f(self.blocks(x))
+        return F.linear(h, self.tok.weight) if self.head is None else self.head(h)
+
+
+def build(test: bool = False) -> ModelSpec:
+    """GPT-2 small at context 1024; ``test`` gives a 2-layer d=32 model at context 16."""
+    if test:
+        vocab, ctx, dim, layers, heads = 101, 16, 32, 2, 4
+    else:
+        vocab, ctx, dim, layers, heads = 50257, 1024, 768, 12, 12
+    model = GPT(vocab, ctx, dim, layers, heads, dropout=0.1, tied=True)
+    return ModelSpec(model, [f"B,{ctx}:int64"], loss="lm_cross_entropy", name="gpt2-small")
