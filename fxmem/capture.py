@@ -356,7 +356,10 @@ def capture_saved(
     if symbol is not None and shape_env.replacements.get(symbol) is not None:
         raise BatchSpecialized(f"the model fixed B to {shape_env.replacements[symbol]}")
     unsupported = tuple(Unsupported(node, _fqn_of(infos, node), why) for node, why in book.unsupported)
-    return Capture(batch, tuple(infos), book.saved_tensors(), book.input_bytes(), unsupported)
+    try:
+        return Capture(batch, tuple(infos), book.saved_tensors(), book.input_bytes(), unsupported)
+    except ValueError as e:  # bytes like floor(B/3): not a polynomial, so concrete passes take over
+        raise SymbolicUnsupported(str(e)) from e
 
 
 def _under(mode: FakeTensorMode, fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,14 @@ def parse_inputs(inputs: object) -> tuple[InputSpec, ...]:
 
 
 def _is_dims(value: tuple[object, ...]) -> bool:
-    return all(isinstance(d, (int, str)) for d in value)
+    """('B', 3, 224) is one shape; ('B,3,224',) or ('B,8', 'B,4') are specs, one per input."""
+    return all(_is_dim(d) for d in value)
+
+
+def _is_dim(d: object) -> bool:
+    if isinstance(d, str):
+        return not any(c in d for c in ",:=")
+    return isinstance(d, int) and not isinstance(d, bool)
 
 
 def _check_order(specs: tuple[InputSpec, ...]) -> None:
@@ -101,7 +108,8 @@ def _parse_one(value: object, *, name: str | None) -> InputSpec:
         return _parse_string(value, name=name)
     if isinstance(value, (tuple, list)) and _is_dims(tuple(value)):
         return InputSpec(name, _check_dims(tuple(value), str(value)), torch.float32)
-    raise InputSpecError(f"input {name or ''} {value!r}: expected a shape such as 'B,3,224,224' or ('B', 3, 224, 224).")
+    label = f"input '{name}'" if name else "input"
+    raise InputSpecError(f"{label} {value!r}: expected a shape such as 'B,3,224,224' or ('B', 3, 224, 224).")
 
 
 def _parse_string(text: str, *, name: str | None) -> InputSpec:
@@ -111,13 +119,15 @@ def _parse_string(text: str, *, name: str | None) -> InputSpec:
         if not key.isidentifier():
             raise InputSpecError(f"input '{text}': '{key}' is not a valid keyword name.")
         name = key
-    shape, _, dtype = raw.partition(":")
+    shape, colon, dtype = raw.partition(":")
+    if colon and not dtype.strip():
+        raise InputSpecError(f"input '{text}': nothing after ':'; name a dtype, e.g. 'B,1024:int64', or drop the ':' for float32.")
     dims = tuple(_parse_dim(d.strip(), text) for d in shape.split(","))
-    return InputSpec(name, _check_dims(dims, text), parse_dtype(dtype.strip(), text) if dtype else torch.float32)
+    return InputSpec(name, _check_dims(dims, text), parse_dtype(dtype.strip(), text) if colon else torch.float32)
 
 
 def _parse_dim(token: str, text: str) -> int | str:
-    if re.fullmatch(r"\d+", token):
+    if re.fullmatch(r"[-+]?\d+", token):
         return int(token)
     if re.fullmatch(r"[A-Za-z_]\w*", token):
         return token
@@ -135,7 +145,10 @@ def _check_dims(dims: tuple[int | str, ...], text: str) -> tuple[int | str, ...]
                 "dimension must be a positive integer."
             )
         if isinstance(d, int) and d <= 0:
-            raise InputSpecError(f"input '{text}': dimension {d} must be positive.")
+            raise InputSpecError(
+                f"input '{text}': dimension {d} must be a positive integer; a fixed size is written as a number "
+                "and the batch axis as B, e.g. 'B,3,224,224'."
+            )
     if dims.count(BATCH) != 1:
         where = "has no batch axis" if BATCH not in dims else "names the batch axis B more than once"
         raise InputSpecError(
@@ -176,6 +189,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
                 f"512MiB or 1024B (units: {', '.join(['B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'])})."
             )
         value, unit = float(match.group(1)), (match.group(2).lower() or "b")
-    if value <= 0:
-        raise InputSpecError(f"{what} '{text}' must be positive.")
-    return int(value * _SIZE_UNITS[unit])
+    nbytes = int(value * _SIZE_UNITS[unit])
+    if nbytes < 1:
+        raise InputSpecError(f"{what} '{text}' is {nbytes} bytes; give a positive size such as 80GiB or 24GB.")
+    return nbytes

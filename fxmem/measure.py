@@ -60,10 +60,17 @@ def measure(model: nn.Module, inputs: InputSpecs, batch: int, *, loss: str = "su
 
 
 def materialize(model: nn.Module) -> nn.Module:
-    """A CPU copy with real weights if any tensor is on the meta device, else the model itself."""
+    """A CPU copy with real weights if any tensor is on the meta device, else the model itself.
+
+    ``to_empty`` gives every module its own new parameter, which would untie tied weights (an LM head
+    sharing the embedding matrix); the ties are restored afterwards, so the copy has the same state.
+    """
     if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         return model
-    real = copy.deepcopy(model).to_empty(device="cpu")
+    real = copy.deepcopy(model)
+    ties = _parameter_slots(real)
+    real.to_empty(device="cpu")
+    _retie(real, ties)
     with torch.no_grad():
         for b in real.buffers():
             b.zero_()
@@ -73,6 +80,23 @@ def materialize(model: nn.Module) -> nn.Module:
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
     return real
+
+
+def _parameter_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) slot that holds each parameter object, by the object's id."""
+    slots: dict[int, list[tuple[nn.Module, str]]] = defaultdict(list)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                slots[id(p)].append((module, name))
+    return slots
+
+
+def _retie(model: nn.Module, slots: dict[int, list[tuple[nn.Module, str]]]) -> None:
+    for places in slots.values():
+        first_module, first_name = places[0]
+        for module, name in places[1:]:
+            module._parameters[name] = first_module._parameters[first_name]
 
 
 def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int) -> int:

@@ -18,7 +18,7 @@ from fxmem.inputs import dtype_name, format_dims
 from fxmem.results import LayerRow, NodeRecord, Report
 from fxmem.symbolic import ByteExpr
 
-__all__ = ["FORMATS", "format_bytes", "group_layers", "render", "to_dict"]
+__all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "to_dict"]
 
 FORMATS = ("table", "markdown", "csv", "json")
 TOP_LEVEL = "(top level)"
@@ -33,9 +33,19 @@ def format_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:.0f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_count(n: int) -> str:
+    """Parameter counts as people say them: 950, 12.3K, 25.6M, 6.74B."""
+    for scale, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
 
 
 def format_expr(expr: ByteExpr) -> str:
@@ -164,7 +174,7 @@ def _summary(report: Report) -> str:
 def _state_parts(report: Report) -> str:
     s = report.state
     return (
-        f"{s.parameters / 1e6:.2f}M params: weights {format_bytes(s.weights)}, buffers {format_bytes(s.buffers)}, "
+        f"{format_count(s.parameters)} params: weights {format_bytes(s.weights)}, buffers {format_bytes(s.buffers)}, "
         f"gradients {format_bytes(s.gradients)}, optimizer {format_bytes(s.optimizer)}"
     )
 

@@ -94,7 +94,10 @@ def to_byte_expr(value: object, batch_symbol: sympy.Symbol | None) -> ByteExpr:
         if expr.free_symbols:
             raise ValueError(f"bytes depend on symbols other than the batch: {expr}")
         return ByteExpr(fixed=int(expr))
-    poly = sympy.Poly(sympy.expand(expr), batch_symbol)
+    try:
+        poly = sympy.Poly(sympy.expand(expr), batch_symbol)
+    except sympy.PolynomialError as e:
+        raise ValueError(f"bytes are not a polynomial in B: {expr}") from e
     if not all(c.is_Integer for c in poly.all_coeffs()):
         raise ValueError(f"bytes are not an integer polynomial in B: {expr}")
     coeffs = [int(c) for c in reversed(poly.all_coeffs())]  # index = power of B

@@ -25,11 +25,11 @@ class SelfAttention(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, S, D) -> (B, H, S, D/H); unflatten reads neither B nor S, so fx records no shape arithmetic."""
+        """(B, S, D) -> (B, H, S, D/H) without reading B or S, so fx records no shape math."""
         return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)  # a direct unpack: fx cannot iterate a Proxy in a loop
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # direct unpack: fx can't iterate a Proxy in a loop
         q, k, v = self._heads(q), self._heads(k), self._heads(v)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=self.causal
@@ -42,7 +42,10 @@ class MLP(nn.Sequential):
 
     def __init__(self, dim: int, hidden: int, dropout: float, gelu: str = "none") -> None:
         super().__init__(
-            nn.Linear(dim, hidden), nn.GELU(approximate=gelu), nn.Linear(hidden, dim), nn.Dropout(dropout)
+            nn.Linear(dim, hidden),
+            nn.GELU(approximate=gelu),
+            nn.Linear(hidden, dim),
+            nn.Dropout(dropout),
         )
 
 

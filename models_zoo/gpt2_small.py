@@ -20,7 +20,14 @@ class GPT(nn.Module):
     """Token + learned position embedding, ``layers`` pre-LN blocks, final LN, LM head."""
 
     def __init__(
-        self, vocab: int, context: int, dim: int, layers: int, heads: int, dropout: float, tied: bool = True
+        self,
+        vocab: int,
+        context: int,
+        dim: int,
+        layers: int,
+        heads: int,
+        dropout: float,
+        tied: bool = True,
     ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)

@@ -1,7 +1,9 @@
-"""Two-layer LSTM language model (vocab 10000, hidden 1024, ~38M params) on 256-token sequences.
+"""Two-layer LSTM language model (vocab 10000, hidden 1024, ~37M params) on 256-token sequences.
 
 ``nn.LSTM`` is a leaf for torch.fx, so the engine sees it as one opaque module
-whose internal activations it must account for as a whole.
+whose internal activations it must account for as a whole. Under FakeTensorMode
+(torch 2.13) ``aten::lstm`` has no symbolic meta kernel: fake mode runs it on
+real zeros and pins the batch size (a guard ``B == hint``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ class LSTMLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, S) -> next-token logits (B, S, vocab)."""
-        out = self.lstm(self.embed(idx))[0]  # drop the (h, c) state; index rather than unpack a Proxy
+        out = self.lstm(self.embed(idx))[0]  # drop (h, c): index the Proxy rather than unpack it
         return self.head(self.drop(out))
 
 
 def build(test: bool = False) -> ModelSpec:
-    """Vocab 10000, embed/hidden 1024, 256 tokens; ``test`` gives vocab 50, embed 16, hidden 32, 12 tokens."""
+    """Vocab 10000, width 1024, 256 tokens; ``test``: vocab 50, embed 16, hidden 32, 12 tokens."""
     if test:
         model, seq = LSTMLM(50, 16, 32, dropout=0.2), 12
     else:

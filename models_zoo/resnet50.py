@@ -32,8 +32,10 @@ class Bottleneck(nn.Module):
         self.conv2, self.bn2 = conv_bn(width, width, 3, stride)
         self.conv3, self.bn3 = conv_bn(width, cout, 1)
         self.relu = nn.ReLU(inplace=True)
-        project = stride != 1 or cin != cout
-        self.downsample = nn.Sequential(*conv_bn(cin, cout, 1, stride)) if project else nn.Identity()
+        if stride != 1 or cin != cout:  # projection shortcut, torchvision's ``downsample``
+            self.downsample: nn.Module = nn.Sequential(*conv_bn(cin, cout, 1, stride))
+        else:
+            self.downsample = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = self.downsample(x)
@@ -65,7 +67,8 @@ class ResNet(nn.Module):
     def _stage(cin: int, width: int, n: int, stride: int) -> nn.Sequential:
         """``n`` bottlenecks; only the first one strides and changes the channel count."""
         cout = width * Bottleneck.expansion
-        return nn.Sequential(Bottleneck(cin, width, stride), *(Bottleneck(cout, width, 1) for _ in range(n - 1)))
+        rest = (Bottleneck(cout, width, 1) for _ in range(n - 1))
+        return nn.Sequential(Bottleneck(cin, width, stride), *rest)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -74,9 +77,13 @@ class ResNet(nn.Module):
 
 
 def build(test: bool = False) -> ModelSpec:
-    """Full ResNet-50; ``test`` gives one block per stage, width 8, 32x32 images, 10 classes."""
+    """Full ResNet-50; ``test`` gives one block per stage, width 8, 64x64 images, 10 classes.
+
+    64x64 rather than 32x32 leaves layer4 at 2x2, so BatchNorm still sees more than one
+    value per channel when a training step runs at batch 1.
+    """
     if test:
-        model, size = ResNet((1, 1, 1, 1), width=8, classes=10), 32
+        model, size = ResNet((1, 1, 1, 1), width=8, classes=10), 64
     else:
         model, size = ResNet((3, 4, 6, 3)), 224
     return ModelSpec(model, [f"B,3,{size},{size}"], loss="cross_entropy", name="resnet50")

@@ -11,15 +11,18 @@ from torch import nn
 
 from fxmem.results import ModelSpec
 
-__all__ = ["UNet3D", "build", "double_conv"]
+__all__ = ["UNet3D", "build", "conv_bn_relu", "double_conv"]
+
+
+def conv_bn_relu(cin: int, cout: int) -> list[nn.Module]:
+    """Bias-free 3^3 conv (BatchNorm supplies the shift), BatchNorm3d, in-place ReLU."""
+    conv = nn.Conv3d(cin, cout, 3, padding=1, bias=False)
+    return [conv, nn.BatchNorm3d(cout), nn.ReLU(inplace=True)]
 
 
 def double_conv(cin: int, cout: int) -> nn.Sequential:
     """Two (Conv3d 3^3 -> BatchNorm3d -> ReLU) stages at constant resolution."""
-    return nn.Sequential(
-        nn.Conv3d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm3d(cout), nn.ReLU(inplace=True),
-        nn.Conv3d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm3d(cout), nn.ReLU(inplace=True),
-    )  # fmt: skip
+    return nn.Sequential(*conv_bn_relu(cin, cout), *conv_bn_relu(cout, cout))
 
 
 class UNet3D(nn.Module):

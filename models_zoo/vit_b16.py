@@ -17,23 +17,32 @@ __all__ = ["ViT", "build"]
 
 
 class ViT(nn.Module):
-    """Conv patch embedding, prepended class token, learned positions, encoder, linear head on the class token."""
+    """Conv patch embedding, class token, learned positions, encoder, head on the class token."""
 
     def __init__(
-        self, image: int, patch: int, dim: int, layers: int, heads: int, mlp: int, classes: int, dropout: float
+        self,
+        image: int,
+        patch: int,
+        dim: int,
+        layers: int,
+        heads: int,
+        mlp: int,
+        classes: int,
+        dropout: float,
     ) -> None:
         super().__init__()
         self.patch_embed = nn.Conv2d(3, dim, patch, stride=patch)
         self.cls_token = nn.Parameter(torch.empty(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.empty(1, (image // patch) ** 2 + 1, dim))
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.Sequential(*(Block(dim, heads, mlp, dropout, causal=False) for _ in range(layers)))
+        blocks = (Block(dim, heads, mlp, dropout, causal=False) for _ in range(layers))
+        self.blocks = nn.Sequential(*blocks)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Initialize the two bare Parameters; submodules reset their own (as after ``to_empty()``)."""
+        """Init the two bare Parameters (submodules reset their own), e.g. after ``to_empty()``."""
         nn.init.zeros_(self.cls_token)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
 

@@ -14,7 +14,7 @@ __all__ = ["build", "wide_mlp"]
 
 
 def wide_mlp(inp: int, width: int, classes: int, dropout: float = 0.1) -> nn.Sequential:
-    """Three hidden layers of ``width`` with ReLU, a LayerNorm after the first, dropout before the head."""
+    """Three ReLU hidden layers of ``width``, LayerNorm after the first, dropout before the head."""
     return nn.Sequential(
         nn.Linear(inp, width), nn.LayerNorm(width), nn.ReLU(),
         nn.Linear(width, width), nn.ReLU(),

@@ -1,0 +1,36 @@
+"""Small helpers shared by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import fxmem
+from fxmem.results import Report
+
+FLOAT = 4  # bytes per float32 element
+INT64 = 8
+
+
+def analyze_on_meta(factory: Callable[[], nn.Module], inputs: list[str], loss: str = "sum", **kw: object) -> Report:
+    """Build the model on the meta device (as the CLI does) and analyze it."""
+    with torch.device("meta"):
+        model = factory()
+    return fxmem.analyze(model, inputs, loss=loss, **kw)  # type: ignore[arg-type]
+
+
+def saved(report: Report) -> dict[str, tuple[int, int]]:
+    """{node: (per_sample, fixed)} for the nodes that are charged any activation bytes."""
+    return {n.name: (n.saved.per_sample, n.saved.fixed) for n in report.nodes if not n.saved.is_zero}
+
+
+def assert_matches_measurement(report: Report, factory: Callable[[], nn.Module], inputs: list[str], loss: str, batches: tuple[int, ...] = (1, 3)) -> None:
+    """Prediction == real CPU run, in total (eager, no fx) and per node, at each batch size."""
+    for b in batches:
+        torch.manual_seed(0)
+        m = fxmem.measure(factory(), inputs, b, loss=loss)
+        assert report.activation_bytes(b) == m.total, f"B={b}: predicted {report.activation_bytes(b)}, measured {m.total}"
+        predicted = {k: v for k, v in report.node_bytes(b).items() if v}
+        assert predicted == m.nodes, f"B={b}: per-node bytes differ"
