@@ -43,15 +43,26 @@ class Measurement:
         return sum(self.nodes.values())
 
 
-def measure(model: nn.Module, inputs: InputSpecs, batch: int, *, loss: str = "sum", seed: int = 0) -> Measurement:
-    """Run the model for real on the CPU at ``batch`` and measure the activation bytes saved for backward."""
+def measure(
+    model: nn.Module,
+    inputs: InputSpecs,
+    batch: int,
+    *,
+    loss: str = "sum",
+    seed: int = 0,
+    leaf_types: tuple[type, ...] = (),
+) -> Measurement:
+    """Run the model for real on the CPU at ``batch`` and measure the activation bytes saved for backward.
+
+    ``leaf_types`` must be the ones given to ``analyze`` so that the per-node split uses the same graph.
+    """
     if not isinstance(batch, int) or batch < 1:
         raise InputSpecError(f"batch must be a positive integer, got {batch!r}.")
     specs, loss_fn = parse_inputs(inputs), get_loss(loss)
     torch.manual_seed(seed)
     real = materialize(model).train()
     total = _eager_total(real, specs, loss_fn, batch)
-    capture = record_real(trace_model(real), specs, loss=loss_fn, batch=batch)
+    capture = record_real(trace_model(real, leaf_types=leaf_types), specs, loss=loss_fn, batch=batch)
     nodes: dict[str, int] = defaultdict(int)
     for s in capture.saved:
         if s.kind == Kind.ACTIVATION:

@@ -146,7 +146,6 @@ def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
 def _summary(report: Report) -> str:
     b, s = report.batch, report.state
     half = max(1, b // 2)
-    act = report.activations + report.accounting.inputs
     lines = [
         ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at B={b}"],
         ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at B={b}"],
@@ -165,8 +164,8 @@ def _summary(report: Report) -> str:
         notes.append(f"Saved bytes are not exactly linear in B ({report.accounting.note}); every figure at a given B is exact.")
     elif report.accounting.method == "concrete":
         notes.append(f"The batch could not stay symbolic; a*B + c fitted and verified by {report.accounting.note}.")
-    if act.higher:
-        notes.append(f"Activations grow faster than linearly: {act.polynomial()} bytes.")
+    if report.activations.higher:
+        notes.append(f"Activations grow faster than linearly in B: {report.activations.polynomial()} bytes.")
     notes += [f"Unsupported: node {u.node} ({u.fqn}): {u.reason}; counted as 0 B." for u in report.accounting.unsupported]
     return tabulate(lines, tablefmt="plain", disable_numparse=True) + "\n\n" + "\n".join(notes)
 

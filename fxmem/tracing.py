@@ -7,6 +7,7 @@ failed and the user's source line.
 
 from __future__ import annotations
 
+import inspect
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -41,11 +42,29 @@ class _Tracer(fx.Tracer):
 def trace_model(model: nn.Module, *, name: str = "model", leaf_types: Sequence[type] = ()) -> fx.GraphModule:
     """Trace ``model`` (usually on the meta device) into a GraphModule sharing its submodules."""
     tracer = _Tracer(leaf_types)
+    if tracer.is_leaf_module(model, ""):
+        return _single_node_graph(model)
     try:
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - every tracing failure becomes one readable error
         raise _trace_error(name, model, tracer, e) from e
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _single_node_graph(model: nn.Module) -> fx.GraphModule:
+    """A model that is itself a leaf (a bare nn.LSTM): one call_module node, placeholders from forward()."""
+    name = type(model).__name__.lower()
+    graph = fx.Graph()
+    args = []
+    for param in inspect.signature(model.forward).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        default = param.default if param.default is not param.empty else inspect.Signature.empty
+        args.append(graph.placeholder(param.name, default_value=default))
+    graph.output(graph.call_module(name, tuple(args)))
+    root = nn.Module()
+    root.add_module(name, model)
+    return fx.GraphModule(root, graph, type(model).__name__)
 
 
 def _trace_error(name: str, model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:

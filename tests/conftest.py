@@ -1,27 +1,19 @@
-"""Shared fixtures. ``--overwrite`` rewrites golden report files from the current output."""
+"""Shared pytest configuration for fxmem's tests."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-GOLDEN = Path(__file__).parent / "golden"
 
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--overwrite", action="store_true", help="rewrite tests/golden/*.txt from current output")
-
-
-@pytest.fixture
-def golden(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    """Compare text with tests/golden/<test name>.txt (or write it with --overwrite)."""
-
-    def check(text: str, name: str | None = None) -> None:
-        path = GOLDEN / f"{name or request.node.name}.txt"
-        if request.config.getoption("--overwrite"):
-            path.write_text(text)
-        assert path.exists(), f"{path} is missing; create it with pytest --overwrite and review it"
-        assert text == path.read_text(), f"{path} differs; rerun with --overwrite if the change is intended"
-
-    return check
+# --- fuzzing (tests/test_fuzz.py) -----------------------------------------------------------------
+# A hook implementation under its own name (specname) so that other options can add their own
+# pytest_addoption to this file without touching this one.
+@pytest.hookimpl(specname="pytest_addoption")
+def pytest_addoption_fuzz(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of generated models tests/test_fuzz.py checks (default: the hypothesis profile's, 200 in CI)",
+    )

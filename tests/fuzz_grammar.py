@@ -31,7 +31,7 @@ from torch import nn
 import fxmem
 from fxmem.measure import materialize
 
-__all__ = ["FuzzCase", "GrammarError", "check_case", "fuzz_cases", "validate_case"]
+__all__ = ["FuzzCase", "GrammarError", "Mismatch", "check_case", "fuzz_cases", "validate_case"]
 
 MAX_NUMEL = 1024
 """Largest per-sample element count of any step's output (and of its largest temporary)."""
@@ -992,17 +992,38 @@ def validate_case(case: FuzzCase) -> None:
         model.zero_grad(set_to_none=True)
 
 
+class Mismatch(AssertionError):
+    """fxmem's prediction differs from the measurement; ``targets`` names what the differing nodes call."""
+
+    def __init__(self, message: str, targets: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.targets = targets
+
+
 def check_case(case: FuzzCase) -> None:
-    """fxmem.analyze agrees exactly with fxmem.measure at every batch of the case, in total and per node."""
+    """fxmem.analyze agrees exactly with fxmem.measure at every batch of the case, in total and per node.
+
+    Raises GrammarError when the model does not train in plain PyTorch, Mismatch when the bytes
+    differ, and whatever analyze or measure raise.
+    """
     validate_case(case)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = fxmem.analyze(case.model, case.inputs, loss=case.loss)
+        targets = {n.name: n.info.target for n in report.nodes}
         for b in case.batches:
             measured = fxmem.measure(case.model, case.inputs, b, loss=case.loss)
             predicted = {k: v for k, v in report.node_bytes(b).items() if v}
-            assert predicted == measured.nodes, f"per-node bytes at B={b}: predicted {predicted}, measured {measured.nodes}"
-            assert report.activation_bytes(b) == measured.total, (
-                f"total at B={b}: predicted {report.activation_bytes(b)}, measured {measured.total} "
-                f"(measured per node sums to {measured.graph_total})"
-            )
+            if predicted != measured.nodes:
+                differ = sorted(k for k in {*predicted, *measured.nodes} if predicted.get(k) != measured.nodes.get(k))
+                diff = {k: (predicted.get(k, 0), measured.nodes.get(k, 0)) for k in differ}
+                raise Mismatch(
+                    f"B={b}: per-node bytes differ, {{node: (predicted, measured)}} = {diff}",
+                    tuple(sorted({targets.get(k, k) for k in differ})),
+                )
+            if report.activation_bytes(b) != measured.total:
+                raise Mismatch(
+                    f"B={b}: total predicted {report.activation_bytes(b)}, measured {measured.total} eagerly "
+                    f"({measured.graph_total} through the fx graph)",
+                    ("(eager total)",),
+                )

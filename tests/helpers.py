@@ -26,11 +26,18 @@ def saved(report: Report) -> dict[str, tuple[int, int]]:
     return {n.name: (n.saved.per_sample, n.saved.fixed) for n in report.nodes if not n.saved.is_zero}
 
 
-def assert_matches_measurement(report: Report, factory: Callable[[], nn.Module], inputs: list[str], loss: str, batches: tuple[int, ...] = (1, 3)) -> None:
+def assert_matches_measurement(
+    report: Report,
+    factory: Callable[[], nn.Module],
+    inputs: list[str],
+    loss: str,
+    batches: tuple[int, ...] = (1, 3),
+    leaf_types: tuple[type, ...] = (),
+) -> None:
     """Prediction == real CPU run, in total (eager, no fx) and per node, at each batch size."""
     for b in batches:
         torch.manual_seed(0)
-        m = fxmem.measure(factory(), inputs, b, loss=loss)
+        m = fxmem.measure(factory(), inputs, b, loss=loss, leaf_types=leaf_types)
         assert report.activation_bytes(b) == m.total, f"B={b}: predicted {report.activation_bytes(b)}, measured {m.total}"
         predicted = {k: v for k, v in report.node_bytes(b).items() if v}
         assert predicted == m.nodes, f"B={b}: per-node bytes differ"
