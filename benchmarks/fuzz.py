@@ -81,7 +81,8 @@ def explore(examples: int, seed_value: int) -> tuple[int, list[Failure]]:
 
 
 def shrink(target: Failure, examples: int, seed_value: int) -> str | None:
-    """Replay the same seed, fail only on ``target``'s signature, and let hypothesis shrink it."""
+    """Replay the run (same seed and example count, so the same models), fail only on ``target``'s
+    signature, and let hypothesis shrink the first such model. None if the replay never fails."""
     smallest: list[str] = []
 
     @seed(seed_value)
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig, count in by_signature.most_common():
         first = next(f for f in failures if f.signature == sig)
         print(f"\n=== {count}x {sig} (first at example {first.index})")
-        minimal = None if args.no_shrink else shrink(first, first.index + 50, args.seed)
+        minimal = None if args.no_shrink else shrink(first, args.examples, args.seed)
         if minimal is not None:
             print(f"minimal:\n{minimal}")
         else:

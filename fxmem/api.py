@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import fx, nn
@@ -31,33 +31,51 @@ def analyze(
     device_memory: int | None = None,
     name: str | None = None,
     leaf_types: tuple[type, ...] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
     >>> report = analyze(nn.Sequential(nn.Linear(8, 4), nn.ReLU()), ["B,8"])
     >>> report.activations   # Linear keeps its input (input batch, not counted); ReLU keeps its 4 outputs
     ByteExpr(per_sample=16, fixed=0, higher=())
+
+    ``progress``, if given, is called with a short phrase as each stage starts ("tracing with torch.fx");
+    the CLI shows these for stages that take long. The library itself never prints.
     """
     name = name or type(model).__name__
     specs, loss_fn, opt = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
     _check_batch_arg(batch)
+    _check_model_args(model, leaf_types)
+    say = progress or _silent
     model.train()
+    say("tracing with torch.fx")
     gm = trace_model(model, name=name, leaf_types=leaf_types)
-    accounting = _account(gm, specs, loss_fn, name)
+    accounting = _account(gm, specs, loss_fn, name, say)
+    say("counting model state")
     state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name)
     return Report(name, specs, loss, accounting, state, batch, device_memory, evaluate)
 
 
-def _account(gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str) -> Accounting:
+def _account(
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, say: Callable[[str], None]
+) -> Accounting:
     """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B."""
     run = lambda b: capture_saved(gm, specs, loss=loss, batch=b, rules=op_rules_for("cpu"), model=name)  # noqa: E731
     try:
+        say("capturing saved tensors (symbolic pass, batch B)")
         symbolic = run(None)
     except (SymbolicUnsupported, BatchSpecialized) as e:
-        concrete = {b: run(b) for b in (1, *FIT_BATCHES, VERIFY_BATCH)}
+        batches = (1, *FIT_BATCHES, VERIFY_BATCH)
+        say(f"capturing saved tensors (concrete passes at B={','.join(map(str, batches))})")
+        concrete = {b: run(b) for b in batches}
         return account_bytes(None, concrete, note=f"concrete passes at B=1,2,3,5 ({e})")
+    say("capturing saved tensors (concrete pass at B=1)")
     return account_bytes(symbolic, {1: run(1)})
+
+
+def _silent(_message: str) -> None:
+    """The default progress callback: analyze() itself never prints."""
 
 
 def _concrete_evaluator(gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str):  # type: ignore[no-untyped-def]
@@ -77,3 +95,13 @@ def _concrete_evaluator(gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: 
 def _check_batch_arg(batch: int) -> None:
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise InputSpecError(f"--batch must be a positive integer, got {batch!r}.")
+
+
+def _check_model_args(model: object, leaf_types: Iterable[object]) -> None:
+    if not isinstance(model, nn.Module):
+        raise InputSpecError(f"analyze() needs an nn.Module, got {type(model).__name__}; pass the model itself.")
+    bad = [t for t in leaf_types if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise InputSpecError(
+            f"leaf_types must hold nn.Module classes, got {bad[0]!r}; pass classes, e.g. leaf_types=(nn.MultiheadAttention,)."
+        )

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._refs
 import torch.fx as fx
 from torch._guards import GuardSource, Source
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -215,6 +216,17 @@ def _source_line(n: fx.Node) -> str:
     return f" (source {user[-1]})" if user else ""
 
 
+def _constant_pad_nd(x: torch.Tensor, pad: Sequence[Any], value: float = 0.0) -> Any:
+    """constant_pad_nd through its Python reference, which keeps SymInt sizes symbolic."""
+    return torch._refs.constant_pad_nd(x, pad, value)
+
+
+_SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {torch.ops.aten.constant_pad_nd.default: _constant_pad_nd}
+"""Ops whose fake kernel reads concrete sizes, so that it would fix B to its hint (HF pads labels with
+constant_pad_nd), computed instead by torch's own SymInt-safe Python reference. Both allocate one
+output of the padded size, so what autograd saves is unchanged."""
+
+
 class _RuleMode(TorchDispatchMode):
     """Applies op rules: records the true size of storages whose fake kernels under-report them."""
 
@@ -225,6 +237,16 @@ class _RuleMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _SYMBOLIC_REWRITES:
+            rewritten = _SYMBOLIC_REWRITES[func](*args, **kwargs)
+            if rewritten is not NotImplemented:
+                return rewritten
+        if func.namespace == "aten" and func._can_decompose():
+            # A Python mode receives some composite ops (aten.pad) whole; decomposing them here, with
+            # the C++ decomposition eager uses, keeps SymInt sizes symbolic (as make_fx's mode does).
+            decomposed = func.decompose(*args, **kwargs)
+            if decomposed is not NotImplemented:
+                return decomposed
         out = func(*args, **kwargs)
         rule = self.rules.get(str(func.overloadpacket))
         if rule is not None:

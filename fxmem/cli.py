@@ -1,93 +1,201 @@
 """The command line: ``fxmem analyze``, ``fxmem measure``, ``fxmem zoo``. The only module that prints.
 
-An FxmemError becomes one paragraph on stderr and exit status 2; Ctrl-C exits 130 without a
-traceback; any other exception is a bug in fxmem and shows its traceback (exit 1).
+Every mistake a user can make ends the same way: one line on stderr starting ``fxmem: error:``, exit
+status 2, no traceback. That covers FxmemError from the library and argparse's own usage errors.
+Ctrl-C exits 130 with one line. Any other exception is a bug in fxmem and shows its traceback (exit 1).
+Stages that run long show progress on stderr; see ``_Progress``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import NoReturn, TextIO
 
+import torch
 from tabulate import tabulate
 
 from fxmem.api import analyze
 from fxmem.errors import FxmemError, InputSpecError
-from fxmem.inputs import parse_dtype, parse_size
-from fxmem.load import load_model
-from fxmem.losses import LOSSES
+from fxmem.inputs import parse_dtype, parse_inputs, parse_size
+from fxmem.load import load_leaf_types, load_model
+from fxmem.losses import LOSSES, get_loss
 from fxmem.measure import materialize, measure
 from fxmem.report import FORMATS, format_bytes, render
 from fxmem.results import ModelSpec, Report
 from fxmem.rules.optimizers import OPTIMIZERS
+from fxmem.state import get_optimizer
 
 __all__ = ["main"]
 
-_SPEC_HELP = (
-    "the model: zoo:NAME (see 'fxmem zoo'; zoo:NAME:test for its small config), package.module:factory, or "
-    "path/to/file.py:factory. Loading a module or file RUNS ITS CODE with your permissions: load only code you "
-    "trust. fxmem never unpickles weights; models are built on the meta device."
+_SECURITY = (
+    "Security: a package.module:factory or path/to/file.py:factory spec imports and RUNS that code with your "
+    "permissions, exactly as 'python file.py' would, so load only code you trust. fxmem itself never loads "
+    "weights or unpickles anything: models are built on the meta device."
 )
+_SPEC_HELP = "zoo:NAME (see 'fxmem zoo'; zoo:NAME:test for its small config), package.module:factory, or path/to/file.py:factory"
+_LEAF_HELP = (
+    "keep modules of this class opaque (one node) when tracing: a class name from the model or torch.nn "
+    "(e.g. MultiheadAttention), or package.module:ClassName; repeat for several"
+)
+_SLOW_S = 2.0
+"""A stage that runs longer than this gets a progress line on stderr even when stderr is not a terminal."""
+
+
+class _UsageError(Exception):
+    """An argparse error, raised instead of argparse's usage dump so that main prints one line."""
+
+    def __init__(self, message: str, prog: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message, self.prog)
 
 
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+        raise argparse.ArgumentTypeError(f"'{value}' is not a positive integer; it must be 1 or more")
+    return value
+
+
+def _depth(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'{value}' is negative; 0 groups everything into one row, 1 by top-level module")
     return value
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help=_SPEC_HELP)
+    p.add_argument("spec", help=f"the model: {_SPEC_HELP}")
     p.add_argument("--input", action="append", metavar="SHAPE", help="an input shape with B on the batch axis, e.g. B,3,224,224 or input_ids=B,1024:int64; repeat for several inputs (default: the model's own)")
     p.add_argument("--loss", choices=list(LOSSES), help="the loss of the step (default: the model's own, else sum)")
+    p.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxmem", description="How much memory one training step of a PyTorch model needs, per layer, at every batch size.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("analyze", help="predict activations (a*B + c per layer), model state, totals and the batch that fits", description=_SPEC_HELP)
+    parser = _Parser(prog="fxmem", description="How much memory one training step of a PyTorch model needs, per layer, at every batch size.", epilog=_SECURITY)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    a = sub.add_parser("analyze", help="predict activations (a*B + c per layer), model state, totals and the batch that fits",
+                       description="Predict the memory of one training step, from fake tensors: no weights, no data, no GPU.", epilog=_SECURITY)  # fmt: skip
     _model_options(a)
     a.add_argument("--batch", type=_positive_int, default=32, help="the batch size to evaluate at (default 32)")
     a.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
-    a.add_argument("--param-dtype", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16)")
+    a.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16)")
     a.add_argument("--device-memory", metavar="SIZE", help="device memory, e.g. 80GiB or 24GB: report the largest batch that fits")
-    a.add_argument("--depth", type=int, help="group layers by module path truncated to this many components")
-    a.add_argument("--top", type=_positive_int, help="show only the K layers that hold the most activation memory")
+    a.add_argument("--depth", type=_depth, help="group layers by module path truncated to this many components")
+    a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
     a.add_argument("--format", choices=FORMATS, default="table")
-    m = sub.add_parser("measure", help="run one real forward on the CPU and print measured beside predicted, per layer", description=_SPEC_HELP)
+    m = sub.add_parser("measure", help="run one real forward on the CPU and print measured beside predicted, per layer",
+                       description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
+                       "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
     _model_options(m)
     m.add_argument("--batch", type=_positive_int, default=2, help="the batch size of the real run (default 2)")
     sub.add_parser("zoo", help="list the zoo's models with their parameters and default inputs")
     return parser
 
 
-def _load(args: argparse.Namespace) -> ModelSpec:
+class _Progress:
+    """Stage lines on stderr, so that a graph that takes minutes does not look hung.
+
+    On a terminal, the current stage shows at once on one line that each stage overwrites and
+    ``close`` erases. Elsewhere (a log, a pipe) a stage gets a line only once it has run ``_SLOW_S``.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.timer: threading.Timer | None = None
+        self.shown = False
+
+    def __call__(self, stage: str) -> None:
+        self._cancel()
+        if self.tty:
+            self._write(f"\r\033[Kfxmem: {stage}...")
+            return
+        self.timer = threading.Timer(_SLOW_S, self._write, args=(f"fxmem: {stage}...\n",))
+        self.timer.daemon = True
+        self.timer.start()
+
+    def close(self) -> None:
+        self._cancel()
+        if self.tty and self.shown:
+            self._write("\r\033[K")
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+        self.shown = True
+
+
+def _load(args: argparse.Namespace, say: Callable[[str], None]) -> ModelSpec:
+    say(f"loading {args.spec}")
     spec = load_model(args.spec)
-    inputs = args.input or spec.inputs
-    if not inputs:
+    loss = args.loss or spec.loss
+    if args.loss is None and loss not in LOSSES:
+        raise InputSpecError(f"model '{args.spec}' asks for loss '{loss}', which fxmem does not know; pass --loss, one of {', '.join(LOSSES)}.")
+    return ModelSpec(spec.model, _inputs(args, spec), loss, spec.name or args.spec)
+
+
+def _inputs(args: argparse.Namespace, spec: ModelSpec) -> Sequence[str] | Mapping[str, str]:
+    """The --input shapes, else the model's own, validated here so that a bad default names the model."""
+    if args.input:
+        parse_inputs(args.input)
+        return list(args.input)
+    if not spec.inputs:
         raise InputSpecError(f"model '{args.spec}' has no default inputs; pass them with --input, e.g. --input B,3,224,224.")
-    return ModelSpec(spec.model, inputs, args.loss or spec.loss, spec.name or args.spec)
+    try:
+        parse_inputs(spec.inputs)
+        return spec.inputs
+    except InputSpecError as e:
+        raise InputSpecError(f"model '{args.spec}' has invalid default inputs {spec.inputs!r}: {e} Pass --input instead.") from e
 
 
-def _analyze(args: argparse.Namespace) -> str:
-    spec = _load(args)
+def _param_dtype(text: str | None) -> torch.dtype | None:
+    if text is None:
+        return None
+    dtype = parse_dtype(text, option="--param-dtype")
+    if not dtype.is_floating_point:
+        raise InputSpecError(f"--param-dtype: '{text}' is not a floating-point dtype; use float32, bfloat16, float16 or float64.")
+    return dtype
+
+
+def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    param_dtype, opt = _param_dtype(args.param_dtype), get_optimizer(args.optimizer).name  # before a slow load
+    device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
+    spec = _load(args, say)
     report = analyze(
-        spec.model, spec.inputs, loss=spec.loss, optimizer=args.optimizer, batch=args.batch, name=args.spec,
-        param_dtype=parse_dtype(args.param_dtype) if args.param_dtype else None,
-        device_memory=parse_size(args.device_memory, "--device-memory") if args.device_memory else None,
+        spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
+        device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), progress=say,
     )  # fmt: skip
     return render(report, args.format, depth=args.depth, top=args.top)
 
 
-def _measure(args: argparse.Namespace) -> str:
-    spec = _load(args)
-    report = analyze(spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec)
-    measured = measure(materialize(spec.model), spec.inputs, args.batch, loss=spec.loss)
+def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    spec = _load(args, say)
+    leaves = load_leaf_types(args.leaf, spec.model)
+    report = analyze(spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec, leaf_types=leaves, progress=say)
+    say(f"running the model for real on the CPU at B={args.batch}")
+    measured = measure(materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, leaf_types=leaves)
     return _comparison(report, measured.nodes, measured.total, args.batch)
 
 
@@ -104,28 +212,75 @@ def _comparison(report: Report, nodes: dict[str, int], total: int, batch: int) -
     return f"{table}\n\nActivations at B={batch}: measured {total} B, predicted {pred_total} B: {verdict}.\n"
 
 
-def _zoo() -> str:
+def _zoo(_args: argparse.Namespace, say: Callable[[str], None]) -> str:
     from models_zoo import ZOO
 
     rows = []
     for name, build in ZOO.items():
+        say(f"building zoo:{name}")
         spec = load_model(f"zoo:{name}")
         params = sum(p.numel() for p in spec.model.parameters())
         summary = (sys.modules[build.__module__].__doc__ or "").strip().splitlines()[0]
         rows.append([name, f"{params / 1e6:,.1f}M", " ".join(spec.inputs), spec.loss, summary])
-    return tabulate(rows, headers=["Model", "Params", "Default input", "Loss", "What it is"], disable_numparse=True) + "\n"
+    table: str = tabulate(rows, headers=["Model", "Params", "Default input", "Loss", "What it is"], disable_numparse=True)
+    return table + "\n"
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]] = {"analyze": _analyze, "measure": _measure, "zoo": _zoo}
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a full traceback for a kernel that fails on fake inputs; fxmem reports that
+    failure itself (a CaptureError naming the node), so the log would only bury the one-line message."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _run(args: argparse.Namespace) -> str:
+    progress = _Progress(sys.stderr)
+    try:
+        with _quiet_fake_tensor_log():
+            return _COMMANDS[args.command](args, progress)
+    finally:
+        progress.close()
+
+
+def _error(message: str) -> int:
+    print(f"fxmem: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+def _write(text: str) -> int:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `fxmem ... | head`: the reader left; say nothing more (Python docs, signal SIGPIPE note)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fxmem`` script; returns the exit status."""
-    args = _parser().parse_args(argv)
     try:
-        text = {"analyze": _analyze, "measure": _measure, "zoo": lambda _a: _zoo()}[args.command](args)
+        args = _parser().parse_args(argv)
+    except _UsageError as e:
+        return _error(f"{e}; see '{e.prog} --help'.")
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    if args.command is None:
+        return _error("name a command: analyze, measure or zoo; see 'fxmem --help'.")
+    try:
+        text = _run(args)
     except FxmemError as e:
-        print(f"fxmem: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     except KeyboardInterrupt:
-        print("fxmem: interrupted", file=sys.stderr)
+        print("fxmem: interrupted (Ctrl-C); nothing was reported.", file=sys.stderr)
         return 130
-    sys.stdout.write(text)
-    return 0
+    return _write(text)

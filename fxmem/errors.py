@@ -27,7 +27,20 @@ __all__ = [
 
 
 class FxmemError(Exception):
-    """Base class: the message is meant for the user, as one paragraph."""
+    """Base class: the message is meant for the user, as one paragraph.
+
+    ``str()`` is the message given at construction, whatever is appended to ``args`` later: the fx
+    Interpreter appends "While executing ..." and the whole stack trace to any exception passing
+    through ``Interpreter.run`` (torch/fx/interpreter.py, ``extra_traceback``), which would turn a
+    one-paragraph message into a screenful.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.message = str(args[0]) if args else ""
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class LoadError(FxmemError):

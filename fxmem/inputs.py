@@ -169,11 +169,12 @@ def make_tensor(spec: InputSpec, batch: object) -> torch.Tensor:
     return torch.zeros(shape, dtype=spec.dtype)
 
 
-def parse_dtype(text: str, context: str = "") -> torch.dtype:
+def parse_dtype(text: str, context: str = "", *, option: str = "") -> torch.dtype:
+    """``'bf16'`` -> torch.bfloat16; ``context`` (an input spec) or ``option`` (a flag) names where it came from."""
     try:
         return DTYPES[text.lower()]
     except KeyError:
-        where = f"input '{context}': " if context else ""
+        where = f"input '{context}': " if context else f"{option}: " if option else ""
         raise InputSpecError(f"{where}unknown dtype '{text}'; use one of {', '.join(DTYPES)}.") from None
 
 

@@ -15,7 +15,7 @@ import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -25,13 +25,49 @@ from torch import nn
 from fxmem.errors import FxmemError, LoadError
 from fxmem.results import ModelSpec
 
-__all__ = ["load_model"]
+__all__ = ["load_leaf_types", "load_model"]
 
 
 def load_model(spec: str, *, meta: bool = True) -> ModelSpec:
     """Build the model named by ``spec`` (on the meta device unless ``meta=False``)."""
     factory, name = _resolve(spec)
     return _call_factory(factory, name, meta=meta)
+
+
+def load_leaf_types(names: Sequence[str], model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """Resolve ``--leaf`` names to module classes that tracing keeps opaque.
+
+    A name is a class of one of ``model``'s submodules (``Block``), a ``torch.nn`` class
+    (``MultiheadAttention``), or ``package.module:ClassName`` / ``path/to/file.py:ClassName``.
+    """
+    return tuple(dict.fromkeys(t for name in names for t in _leaf_types(name.strip(), model)))
+
+
+def _leaf_types(name: str, model: nn.Module) -> tuple[type[nn.Module], ...]:
+    label = f"--leaf '{name}'"
+    if ":" in name:
+        target, _, attr = name.rpartition(":")
+        if not target or not attr:
+            raise LoadError(f"{label}: write a class name such as MultiheadAttention, or package.module:ClassName.")
+        return (_module_class(_attribute(_import_target(target, label), attr, label, target), label),)
+    own = tuple(dict.fromkeys(type(m) for m in model.modules() if name in (type(m).__name__, type(m).__qualname__)))
+    if own:
+        return own
+    if hasattr(nn, name):
+        return (_module_class(getattr(nn, name), label),)
+    kinds = sorted({type(m).__name__ for m in model.modules()})
+    close = _closest(name, kinds + [n for n in dir(nn) if n[:1].isupper()])
+    hint = f" (did you mean '{close}'?)" if close else ""
+    raise LoadError(
+        f"{label}: no module class of that name in the model or in torch.nn{hint}; the model's classes are "
+        f"{', '.join(kinds[:20])}{', ...' if len(kinds) > 20 else ''}; or write package.module:ClassName."
+    )
+
+
+def _module_class(value: object, label: str) -> type[nn.Module]:
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        return value
+    raise LoadError(f"{label}: that names {_a(type(value).__name__)}, not an nn.Module class; name the class of a module.")
 
 
 def _resolve(spec: str) -> tuple[Callable[..., object], str]:
@@ -44,40 +80,67 @@ def _resolve(spec: str) -> tuple[Callable[..., object], str]:
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise LoadError(
-            f"model spec '{spec}' is not understood; write zoo:NAME (see 'fxmem zoo'), package.module:factory, "
-            "or path/to/file.py:factory."
+            f"model spec '{spec}' is not understood{_spec_hint(spec)}; write zoo:NAME (see 'fxmem zoo'), "
+            "package.module:factory, or path/to/file.py:factory."
         )
-    module = _import_file(target, spec) if target.endswith(".py") else _import_module(target, spec)
-    return _attribute(module, attr, spec), spec
+    module = _import_target(target, f"model spec '{spec}'")
+    return _factory(module, attr, spec, target), spec
+
+
+def _spec_hint(spec: str) -> str:
+    """A guess at what a spec without 'target:factory' meant: a zoo name, or a file missing its factory."""
+    from models_zoo import ZOO
+
+    body = spec.rstrip(":")
+    close = _closest(body.replace("_", "-"), list(ZOO))
+    if close:
+        return f" (did you mean 'zoo:{close}'?)"
+    if body.endswith(".py"):
+        return f" (name the factory in the file: '{body}:build')"
+    return ""
 
 
 def _zoo_factory(name: str) -> Callable[..., object]:
     from models_zoo import ZOO
 
     if name not in ZOO:
-        close = difflib.get_close_matches(name, ZOO, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        close = _closest(name, list(ZOO))
+        hint = f" (did you mean '{close}'?)" if close else ""
         raise LoadError(f"unknown zoo model '{name}'{hint}; the zoo has: {', '.join(ZOO)}.")
     return ZOO[name]
 
 
-def _import_module(target: str, spec: str) -> ModuleType:
+def _closest(name: str, names: list[str]) -> str | None:
+    """The name ``name`` most likely meant: the one it starts, else difflib's closest match."""
+    starts = [n for n in names if name and n.lower().startswith(name.lower())]
+    close = starts or difflib.get_close_matches(name, names, n=1)
+    return close[0] if close else None
+
+
+def _import_target(target: str, label: str) -> ModuleType:
+    return _import_file(target, label) if target.endswith(".py") else _import_module(target, label)
+
+
+def _import_module(target: str, label: str) -> ModuleType:
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
         raise LoadError(
-            f"model spec '{spec}': cannot import module '{target}' ({e}); check the name and that it is "
-            "installed or on PYTHONPATH, or pass a file path such as ./my_model.py:factory."
+            f"{label}: cannot import module '{target}' ({e}); check the name and that it is "
+            "installed or on PYTHONPATH, or give a file path such as ./my_model.py:NAME."
         ) from e
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing
-        raise LoadError(f"model spec '{spec}': importing '{target}' raised {type(e).__name__}: {e}.") from e
+        raise LoadError(f"{label}: importing '{target}' raised {type(e).__name__}: {e}.") from e
 
 
-def _import_file(target: str, spec: str) -> ModuleType:
+def _import_file(target: str, label: str) -> ModuleType:
+    """Run a .py file as a module, once per process, so that classes it defines keep one identity."""
     path = Path(target).expanduser()
     if not path.is_file():
-        raise LoadError(f"model spec '{spec}': no file '{path}'; give the path to a .py file that defines the factory.")
+        raise LoadError(f"{label}: no file '{path}' (from {Path.cwd()}); give the path to a .py file that defines it.")
     unique = f"fxmem_user_{abs(hash(str(path.resolve())))}"
+    if unique in sys.modules:
+        return sys.modules[unique]
     module_spec = importlib.util.spec_from_file_location(unique, path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
@@ -85,20 +148,32 @@ def _import_file(target: str, spec: str) -> ModuleType:
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - the user's file raised while running
-        raise LoadError(f"model spec '{spec}': running '{path}' raised {type(e).__name__}: {e}.") from e
+        del sys.modules[unique]
+        raise LoadError(f"{label}: running '{path}' raised {type(e).__name__}: {e}.") from e
     return module
 
 
-def _attribute(module: ModuleType, attr: str, spec: str) -> Callable[..., object]:
+def _attribute(module: ModuleType, attr: str, label: str, target: str) -> object:
     if not hasattr(module, attr):
-        names = [n for n in vars(module) if not n.startswith("_")]
+        names = [n for n, v in vars(module).items() if not n.startswith("_") and callable(v)]
         close = difflib.get_close_matches(attr, names, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise LoadError(f"model spec '{spec}': '{module.__name__}' has no attribute '{attr}'{hint}.")
-    factory = getattr(module, attr)
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; it defines {', '.join(sorted(names)[:12]) or 'nothing callable'}{', ...' if len(names) > 12 else ''}"
+        raise LoadError(f"{label}: '{target}' has no attribute '{attr}'{hint}.")
+    return getattr(module, attr)
+
+
+def _factory(module: ModuleType, attr: str, spec: str, target: str) -> Callable[..., object]:
+    factory = _attribute(module, attr, f"model spec '{spec}'", target)
     if not callable(factory):
-        raise LoadError(f"model spec '{spec}': '{attr}' is a {type(factory).__name__}, not a factory function or class.")
-    return factory  # type: ignore[no-any-return]
+        raise LoadError(
+            f"model spec '{spec}': '{attr}' is {_a(type(factory).__name__)}, not a factory; "
+            "name a function or class that builds the model."
+        )
+    return factory
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
 
 
 def _call_factory(factory: Callable[..., object], name: str, *, meta: bool) -> ModelSpec:
@@ -123,7 +198,7 @@ def _as_spec(built: object, name: str) -> ModelSpec:
     if isinstance(built, nn.Module):
         return ModelSpec(built, (), name=name)
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
-        return ModelSpec(built[0], built[1], name=name)  # type: ignore[arg-type]
+        return ModelSpec(built[0], built[1], name=name)
     return _not_module(built, name)
 
 

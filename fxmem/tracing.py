@@ -72,10 +72,15 @@ def _trace_error(name: str, model: nn.Module, tracer: _Tracer, e: Exception) -> 
     kind = type(model.get_submodule(module)).__name__ if module != "(top level)" else type(model).__name__
     line = _user_line(e)
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    way_out = (
+        f"if it branches on a shape, keep the module opaque with --leaf {kind} (leaf_types=({kind},) in the API); "
+        "if it branches on tensor values, rewrite the branch (torch.where)"
+        if module != "(top level)"
+        else "move the branch into a submodule and keep that opaque with --leaf, or rewrite it (torch.where)"
+    )
     return TraceError(
-        f"model '{name}': torch.fx cannot trace module '{module}' ({kind}){line}: {reason}. fx traces Python "
-        "control flow with placeholders, so branches on tensor values or shapes fail; move that code into a "
-        f"leaf module (--leaf {kind}, traced as one opaque node), or rewrite it without the branch."
+        f"model '{name}': torch.fx cannot trace module '{module}' ({kind}){line}: {reason.rstrip('.')}. fx runs "
+        f"forward() on placeholders, so Python control flow on tensors fails; {way_out}."
     )
 
 

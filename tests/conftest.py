@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 
@@ -17,3 +20,26 @@ def pytest_addoption_fuzz(parser: pytest.Parser) -> None:
         metavar="N",
         help="number of generated models tests/test_fuzz.py checks (default: the hypothesis profile's, 200 in CI)",
     )
+
+
+# --- golden reports (tests/test_report.py) ----------------------------------------------------------
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.hookimpl(specname="pytest_addoption")
+def pytest_addoption_golden(parser: pytest.Parser) -> None:
+    parser.addoption("--overwrite", action="store_true", help="rewrite tests/golden/*.txt from the current output")
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """Compare text with tests/golden/<test name>.txt; ``--overwrite`` rewrites it (review the diff)."""
+
+    def check(text: str, name: str | None = None) -> None:
+        path = GOLDEN / f"{name or request.node.name}.txt"
+        if request.config.getoption("--overwrite"):
+            path.write_text(text)
+        assert path.exists(), f"{path} is missing; create it with pytest --overwrite and review it"
+        assert text == path.read_text(), f"{path} differs; rerun with --overwrite if the change is intended"
+
+    return check

@@ -6,9 +6,9 @@ its input specs, a loss and the batch sizes to check. ``check_case`` is the prop
 prediction equals ``fxmem.measure`` at every one of those batch sizes, in total and per fx node.
 
 How a model is grown: the grammar tracks the current per-sample shape (the batch axis is always
-dim 0 and never appears in it). Each step is one small module; it is built, then probed on a real
-zero tensor at batch 2 (and 1) so the next step starts from the true output shape and a step whose
-configuration torch rejects is simply not used. Steps are chosen among those that apply to the
+dim 0 and never appears in it). Each step is one small module; it is built, then run on the real
+outputs of the steps before it at batches 2 and 1, so the next step starts from the true output
+shape and strides, and a step whose configuration torch rejects is simply not used. Steps are chosen among those that apply to the
 current rank: rank 1 is (features,), rank 2 is (channels, length) or (sequence, embedding), rank 3
 (channels, H, W) and rank 4 (channels, D, H, W).
 
@@ -36,6 +36,7 @@ __all__ = ["FuzzCase", "GrammarError", "Mismatch", "check_case", "fuzz_cases", "
 MAX_NUMEL = 1024
 """Largest per-sample element count of any step's output (and of its largest temporary)."""
 MAX_STEPS = 6
+"""Most steps after the input layer (a step may hold a few layers: a residual block, attention)."""
 LOSSES = ("sum", "mse", "cross_entropy", "lm_cross_entropy")
 
 
@@ -55,7 +56,12 @@ class State:
     dtype: torch.dtype = torch.float32
     inplace_ok: bool = False
     """True when no autograd node saved this tensor (or its base), so an in-place op on it is legal."""
-    contiguous: bool = True
+    examples: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    """Real outputs of the steps so far at batch 2 and 1, so probes see the true strides."""
+
+    @property
+    def contiguous(self) -> bool:
+        return self.examples is None or self.examples[0].is_contiguous()
 
     @property
     def rank(self) -> int:
@@ -70,7 +76,6 @@ class State:
 class Ctx:
     """What the steps built so far offer to later steps: weights to tie, modules to call again."""
 
-    dtype: torch.dtype
     weights: dict[tuple[int, ...], nn.Module] = field(default_factory=dict)
     ties: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
     reusable: list[tuple[nn.Module, tuple[int, ...], str]] = field(default_factory=list)
@@ -343,33 +348,44 @@ class MHA(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, steps: list[nn.Module]) -> None:
+    """The steps in order; the output is the tensor, or wrapped with an integer tensor or in a dict."""
+
+    def __init__(self, steps: list[nn.Module], output: str = "tensor") -> None:
         super().__init__()
         self.steps = nn.ModuleList(steps)
+        self.output = output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> object:
+        return self._wrap(self._run(x))
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         for step in self.steps:
             x = step(x)
+        return x
+
+    def _wrap(self, x: torch.Tensor) -> object:
+        if self.output == "tuple":
+            return x.argmax(-1), x
+        if self.output == "dict":
+            return {"logits": x, "aux": x.detach().sum()}
         return x
 
 
 class Net2(Net):
     """Two inputs of the same shape, merged before the first step."""
 
-    def __init__(self, steps: list[nn.Module], merge: str) -> None:
-        super().__init__(steps)
+    def __init__(self, steps: list[nn.Module], merge: str, output: str = "tensor") -> None:
+        super().__init__(steps, output)
         self.merge = merge
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> object:  # type: ignore[override]
         if self.merge == "add":
             x = x + y
         elif self.merge == "mul":
             x = x * y
         else:
             x = torch.cat([x, y], dim=1)
-        for step in self.steps:
-            x = step(x)
-        return x
+        return self._wrap(self._run(x))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -377,29 +393,31 @@ class Net2(Net):
 
 
 def _example(state: State, batch: int) -> torch.Tensor:
+    if state.examples is not None:
+        return state.examples[0 if batch == 2 else 1]
     shape = (batch, *state.shape)
     if state.dtype == torch.int64:
         return torch.zeros(shape, dtype=torch.int64)
     return torch.randn(shape)
 
 
-def _probe(ctx: Ctx, module: nn.Module, state: State, desc: str, *, inplace_ok: bool) -> Built | None:
-    """Run ``module`` on a real batch of 2 (and 1); None when torch rejects it or it is too big."""
+def _probe(module: nn.Module, state: State, desc: str, *, inplace_ok: bool) -> Built | None:
+    """Run ``module`` on the real batch of 2 (and 1); None when torch rejects it or it is too big."""
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = module(_example(state, 2))
             # fxmem.analyze always runs B=1, so a model that cannot (BatchNorm with one value per
-            # channel) cannot be analyzed at all: see test_batchnorm_on_features_fails_only_at_batch_one
+            # channel) cannot be analyzed at all: see test_batchnorm_one_value_per_channel_at_batch_one
             # in test_fuzz_regressions.py. Such steps are left out until that is supported.
-            module(_example(state, 1))
+            out1 = module(_example(state, 1))
     except Exception:  # noqa: BLE001 - an invalid configuration: the grammar tries another step
         return None
     shape = tuple(out.shape[1:])
     if not shape or math.prod(shape) > MAX_NUMEL or math.prod(shape) == 0:
         return None
-    new = State(shape, torch.float32, inplace_ok=inplace_ok, contiguous=out.is_contiguous())
-    return Built(module, new, f"{desc} -> {shape}")
+    dtype = state.dtype if state.dtype.is_floating_point else torch.float32
+    return Built(module, State(shape, dtype, inplace_ok=inplace_ok, examples=(out, out1)), f"{desc} -> {shape}")
 
 
 def _chance(draw: Callable[..., object], percent: int) -> bool:
@@ -424,17 +442,21 @@ def _maybe_freeze(draw: Callable[..., object], module: nn.Module) -> str:
 
 
 def _maybe_tie(draw: Callable[..., object], ctx: Ctx, module: nn.Module) -> str:
-    """Share the weight of an earlier layer with the same weight shape, or offer this one for sharing."""
+    """Share the weight of a layer of an earlier step that has the same weight shape."""
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, nn.Parameter):
+    source = ctx.weights.get(tuple(weight.shape)) if isinstance(weight, nn.Parameter) else None
+    if source is None or not _chance(draw, 50):
         return ""
-    source = ctx.weights.get(tuple(weight.shape))
-    if source is not None and _chance(draw, 50):
-        module.weight = source.weight
-        ctx.ties.append((module, source))
-        return " tied"
-    ctx.weights.setdefault(tuple(weight.shape), module)
-    return ""
+    module.weight = source.weight
+    ctx.ties.append((module, source))
+    return " tied"
+
+
+def _offer_weights(ctx: Ctx, step: nn.Module) -> None:
+    """Make the weights of an accepted step's Linear, Conv and Embedding layers available for tying."""
+    for m in step.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)):
+            ctx.weights.setdefault(tuple(m.weight.shape), m)
 
 
 def _divisors(n: int) -> list[int]:
@@ -469,10 +491,7 @@ _ACTIVATIONS: list[tuple[str, Callable[[bool], nn.Module], bool, bool]] = [
 def step_activation(draw, ctx: Ctx, s: State) -> Built | None:
     name, factory, has_inplace, saves_output = _pick(draw, _ACTIVATIONS)
     inplace = has_inplace and s.inplace_ok and _chance(draw, 50)
-    built = _probe(ctx, factory(inplace), s, f"{name}{'(inplace)' if inplace else ''}", inplace_ok=not (inplace or saves_output))
-    if built is not None:
-        built.state = replace(built.state, contiguous=s.contiguous)
-    return built
+    return _probe(factory(inplace), s, f"{name}{'(inplace)' if inplace else ''}", inplace_ok=not (inplace or saves_output))
 
 
 def step_dropout(draw, ctx: Ctx, s: State) -> Built | None:
@@ -488,20 +507,20 @@ def step_dropout(draw, ctx: Ctx, s: State) -> Built | None:
         "Dropout3d": lambda: nn.Dropout3d(p),
     }[kind]()
     # With p=0 dropout returns its input itself, so whatever held for the input still holds.
-    return _probe(ctx, module, s, f"{kind}(p={p})", inplace_ok=s.inplace_ok if p == 0.0 else True)
+    return _probe(module, s, f"{kind}(p={p})", inplace_ok=s.inplace_ok if p == 0.0 else True)
 
 
-def _shape_preserving(draw, ctx: Ctx, s: State, *, allow_reuse: bool = True) -> Built | None:
+def _shape_preserving(draw, ctx: Ctx, s: State) -> Built | None:
     """A parametric layer whose output has the input's shape (for residuals, gates, shared calls)."""
     kind = _pick(draw, ["linear", "norm", "conv", "act"])
     if kind == "linear":
         lin = nn.Linear(s.shape[-1], s.shape[-1], bias=bool(_chance(draw, 70)))
         desc = f"Linear({s.shape[-1]}, {s.shape[-1]})" + _maybe_tie(draw, ctx, lin) + _maybe_freeze(draw, lin)
-        return _probe(ctx, lin, s, desc, inplace_ok=True)
+        return _probe(lin, s, desc, inplace_ok=True)
     if kind == "norm":
         norm = _pick(draw, ["LayerNorm", "RMSNorm"])
         m = nn.LayerNorm(s.shape[-1]) if norm == "LayerNorm" else nn.RMSNorm(s.shape[-1])
-        return _probe(ctx, m, s, f"{norm}({s.shape[-1]})" + _maybe_freeze(draw, m), inplace_ok=True)
+        return _probe(m, s, f"{norm}({s.shape[-1]})" + _maybe_freeze(draw, m), inplace_ok=True)
     if kind == "conv" and 2 <= s.rank <= 4:
         conv_cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[s.rank - 2]
         c = s.shape[0]
@@ -509,9 +528,9 @@ def _shape_preserving(draw, ctx: Ctx, s: State, *, allow_reuse: bool = True) -> 
         groups = _pick(draw, _divisors(c))
         m = conv_cls(c, c, 3, padding="same", padding_mode=mode, groups=groups)
         desc = f"{conv_cls.__name__}({c}, {c}, 3, same, {mode}, groups={groups})" + _maybe_tie(draw, ctx, m)
-        return _probe(ctx, m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
+        return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
     name, factory, _, saves_output = _pick(draw, _ACTIVATIONS)
-    return _probe(ctx, factory(False), s, name, inplace_ok=not saves_output)
+    return _probe(factory(False), s, name, inplace_ok=not saves_output)
 
 
 def _body(draw, ctx: Ctx, s: State) -> tuple[nn.Module, str] | None:
@@ -533,14 +552,14 @@ def step_residual(draw, ctx: Ctx, s: State) -> Built | None:
     if body is None:
         return None
     scale = _pick(draw, [None, 0.5])
-    return _probe(ctx, Residual(body[0], scale), s, f"Residual(x + {scale or ''}[{body[1]}])", inplace_ok=True)
+    return _probe(Residual(body[0], scale), s, f"Residual(x + {scale or ''}[{body[1]}])", inplace_ok=True)
 
 
 def step_gate(draw, ctx: Ctx, s: State) -> Built | None:
     body = _body(draw, ctx, s)
     if body is None:
         return None
-    return _probe(ctx, Gate(body[0]), s, f"Gate(x * sigmoid([{body[1]}]))", inplace_ok=True)
+    return _probe(Gate(body[0]), s, f"Gate(x * sigmoid([{body[1]}]))", inplace_ok=True)
 
 
 def step_cat(draw, ctx: Ctx, s: State) -> Built | None:
@@ -548,11 +567,11 @@ def step_cat(draw, ctx: Ctx, s: State) -> Built | None:
     if s.numel * 2 > MAX_NUMEL:
         return None
     if _chance(draw, 30):
-        return _probe(ctx, Cat(nn.Identity(), dim), s, f"torch.cat([x, x], dim={dim})", inplace_ok=True)
+        return _probe(Cat(nn.Identity(), dim), s, f"torch.cat([x, x], dim={dim})", inplace_ok=True)
     body = _body(draw, ctx, s)
     if body is None:
         return None
-    return _probe(ctx, Cat(body[0], dim), s, f"torch.cat([x, [{body[1]}](x)], dim={dim})", inplace_ok=True)
+    return _probe(Cat(body[0], dim), s, f"torch.cat([x, [{body[1]}](x)], dim={dim})", inplace_ok=True)
 
 
 def step_twice(draw, ctx: Ctx, s: State) -> Built | None:
@@ -562,7 +581,7 @@ def step_twice(draw, ctx: Ctx, s: State) -> Built | None:
     chain = bool(_chance(draw, 50))
     ctx.reusable.append((b.module, s.shape, b.desc.split(" -> ")[0]))
     how = "m(m(x))" if chain else "m(x) + m(relu(x))"
-    return _probe(ctx, Twice(b.module, chain), s, f"Twice({how}, m={b.desc.split(' -> ')[0]})", inplace_ok=True)
+    return _probe(Twice(b.module, chain), s, f"Twice({how}, m={b.desc.split(' -> ')[0]})", inplace_ok=True)
 
 
 def step_reuse(draw, ctx: Ctx, s: State) -> Built | None:
@@ -571,18 +590,18 @@ def step_reuse(draw, ctx: Ctx, s: State) -> Built | None:
     if not options:
         return None
     module, _, desc = _pick(draw, options)
-    return _probe(ctx, module, s, f"again: {desc}", inplace_ok=True)
+    return _probe(module, s, f"again: {desc}", inplace_ok=True)
 
 
 def step_where(draw, ctx: Ctx, s: State) -> Built | None:
     kind = _pick(draw, ["leaky", "mask", "param"])
     m = Where(kind, s.shape)
-    return _probe(ctx, m, s, f"torch.where({kind})" + _maybe_freeze(draw, m), inplace_ok=True)
+    return _probe(m, s, f"torch.where({kind})" + _maybe_freeze(draw, m), inplace_ok=True)
 
 
 def step_affine(draw, ctx: Ctx, s: State) -> Built | None:
     m = Affine(s.shape)
-    return _probe(ctx, m, s, "x * gamma + beta" + _maybe_freeze(draw, m), inplace_ok=True)
+    return _probe(m, s, "x * gamma + beta" + _maybe_freeze(draw, m), inplace_ok=True)
 
 
 def step_slice(draw, ctx: Ctx, s: State) -> Built | None:
@@ -599,7 +618,7 @@ def step_slice(draw, ctx: Ctx, s: State) -> Built | None:
         desc = f"x.narrow({d + 1}, {start}, {stop - start})"
     else:
         m, desc = Slice(d + 1, start, stop, step), f"x[{':, ' * (d + 1)}{start}:{stop}:{step}]"
-    return _probe(ctx, m, s, desc, inplace_ok=s.inplace_ok)
+    return _probe(m, s, desc, inplace_ok=s.inplace_ok)
 
 
 def step_chunk_mul(draw, ctx: Ctx, s: State) -> Built | None:
@@ -607,7 +626,7 @@ def step_chunk_mul(draw, ctx: Ctx, s: State) -> Built | None:
     if not dims:
         return None
     d = _pick(draw, dims)
-    return _probe(ctx, ChunkMul(d + 1), s, f"x.chunk(2, {d + 1}) multiplied", inplace_ok=True)
+    return _probe(ChunkMul(d + 1), s, f"x.chunk(2, {d + 1}) multiplied", inplace_ok=True)
 
 
 def step_flatten(draw, ctx: Ctx, s: State) -> Built | None:
@@ -621,7 +640,7 @@ def step_flatten(draw, ctx: Ctx, s: State) -> Built | None:
     else:
         m = Reshape((s.numel,), view=kind == "view" and s.contiguous)
         kind = "view" if m.view else "reshape"
-    return _probe(ctx, m, s, kind, inplace_ok=s.inplace_ok)
+    return _probe(m, s, kind, inplace_ok=s.inplace_ok)
 
 
 def step_transpose(draw, ctx: Ctx, s: State) -> Built | None:
@@ -629,9 +648,9 @@ def step_transpose(draw, ctx: Ctx, s: State) -> Built | None:
         return None
     if s.rank == 2 or _chance(draw, 50):
         a, b = sorted(draw(st.lists(st.integers(1, s.rank), min_size=2, max_size=2, unique=True)))
-        return _probe(ctx, Fn(torch.transpose, a, b), s, f"x.transpose({a}, {b})", inplace_ok=s.inplace_ok)
+        return _probe(Fn(torch.transpose, a, b), s, f"x.transpose({a}, {b})", inplace_ok=s.inplace_ok)
     perm = (0, *draw(st.permutations(list(range(1, s.rank + 1)))))
-    return _probe(ctx, Method("permute", perm), s, f"x.permute{perm}", inplace_ok=s.inplace_ok)
+    return _probe(Method("permute", perm), s, f"x.permute{perm}", inplace_ok=s.inplace_ok)
 
 
 def step_unflatten(draw, ctx: Ctx, s: State) -> Built | None:
@@ -640,18 +659,21 @@ def step_unflatten(draw, ctx: Ctx, s: State) -> Built | None:
         return None
     n = s.shape[-1]
     if _chance(draw, 25):
-        return _probe(ctx, Fn(torch.unsqueeze, 1), s, "x.unsqueeze(1)", inplace_ok=s.inplace_ok)
+        return _probe(Fn(torch.unsqueeze, 1), s, "x.unsqueeze(1)", inplace_ok=s.inplace_ok)
     a = _pick(draw, _divisors(n))
     shape = (*s.shape[:-1], a, n // a)
     view = s.contiguous and _chance(draw, 50)
-    return _probe(ctx, Reshape(shape, view), s, f"{'view' if view else 'reshape'}{shape}", inplace_ok=s.inplace_ok)
+    return _probe(Reshape(shape, view), s, f"{'view' if view else 'reshape'}{shape}", inplace_ok=s.inplace_ok)
 
 
 def step_linear(draw, ctx: Ctx, s: State) -> Built | None:
-    out = _int(draw, 1, 24)
-    m = nn.Linear(s.shape[-1], out, bias=bool(_chance(draw, 70)))
-    desc = f"Linear({s.shape[-1]}, {out}, bias={m.bias is not None})" + _maybe_tie(draw, ctx, m) + _maybe_freeze(draw, m)
-    return _probe(ctx, m, s, desc, inplace_ok=True)
+    n = s.shape[-1]
+    # Often the transpose of an earlier layer's weight, as an LM head is of its embedding, so it can be tied.
+    earlier = [shape[0] for shape in ctx.weights if len(shape) == 2 and shape[1] == n]
+    out = _pick(draw, earlier) if earlier and _chance(draw, 40) else _int(draw, 1, 24)
+    m = nn.Linear(n, out, bias=bool(_chance(draw, 70)))
+    desc = f"Linear({n}, {out}, bias={m.bias is not None})" + _maybe_tie(draw, ctx, m) + _maybe_freeze(draw, m)
+    return _probe(m, s, desc, inplace_ok=True)
 
 
 def step_norm_last(draw, ctx: Ctx, s: State) -> Built | None:
@@ -666,7 +688,7 @@ def step_norm_last(draw, ctx: Ctx, s: State) -> Built | None:
     }[kind]()
     if s.rank >= 2 and kind == "LayerNorm" and _chance(draw, 25):
         m, kind = nn.LayerNorm(tuple(s.shape[-2:])), f"LayerNorm({s.shape[-2:]})"
-    return _probe(ctx, m, s, f"{kind}({n})" + _maybe_freeze(draw, m), inplace_ok=True)
+    return _probe(m, s, f"{kind}({n})" + _maybe_freeze(draw, m), inplace_ok=True)
 
 
 def step_batchnorm(draw, ctx: Ctx, s: State) -> Built | None:
@@ -674,7 +696,7 @@ def step_batchnorm(draw, ctx: Ctx, s: State) -> Built | None:
     affine, track = bool(draw(st.booleans())), not _chance(draw, 20)
     m = cls(s.shape[0], affine=affine, track_running_stats=track)
     desc = f"{cls.__name__}({s.shape[0]}, affine={affine}, track_running_stats={track})" + _maybe_freeze(draw, m)
-    return _probe(ctx, m, s, desc, inplace_ok=True)
+    return _probe(m, s, desc, inplace_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -682,7 +704,7 @@ def step_batchnorm(draw, ctx: Ctx, s: State) -> Built | None:
 
 
 def step_batch_mix(draw, ctx: Ctx, s: State) -> Built | None:
-    return _probe(ctx, BatchMix(), s, "softmax(x @ x.T) @ x", inplace_ok=True)
+    return _probe(BatchMix(), s, "softmax(x @ x.T) @ x", inplace_ok=True)
 
 
 def step_tied_pair(draw, ctx: Ctx, s: State) -> Built | None:
@@ -691,7 +713,7 @@ def step_tied_pair(draw, ctx: Ctx, s: State) -> Built | None:
     a, b = nn.Linear(n, n), nn.Linear(n, n, bias=False)
     b.weight = a.weight
     ctx.ties.append((b, a))
-    return _probe(ctx, nn.Sequential(a, nn.GELU(), b), s, f"Linear({n}, {n}) -> GELU -> same weight", inplace_ok=True)
+    return _probe(nn.Sequential(a, nn.GELU(), b), s, f"Linear({n}, {n}) -> GELU -> same weight", inplace_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -724,7 +746,7 @@ def step_conv(draw, ctx: Ctx, s: State) -> Built | None:
         f"groups={groups}, bias={bias}, {mode})"
     )
     desc += _maybe_tie(draw, ctx, m) + _maybe_freeze(draw, m)
-    return _probe(ctx, m, s, desc, inplace_ok=True)
+    return _probe(m, s, desc, inplace_ok=True)
 
 
 def step_conv_transpose(draw, ctx: Ctx, s: State) -> Built | None:
@@ -742,7 +764,7 @@ def step_conv_transpose(draw, ctx: Ctx, s: State) -> Built | None:
         f"{cls.__name__}({c}, {out}, k={kernel}, stride={stride}, padding={padding}, "
         f"output_padding={output_padding}, dilation={dilation}, groups={groups})"
     )
-    return _probe(ctx, m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
+    return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
 
 
 def step_channel_norm(draw, ctx: Ctx, s: State) -> Built | None:
@@ -757,7 +779,7 @@ def step_channel_norm(draw, ctx: Ctx, s: State) -> Built | None:
         affine, track = bool(draw(st.booleans())), _chance(draw, 30)
         m = cls(c, affine=affine, track_running_stats=track)
         desc = f"{cls.__name__}({c}, affine={affine}, track_running_stats={track})"
-    return _probe(ctx, m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
+    return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
 
 
 def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
@@ -771,7 +793,7 @@ def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
             cls = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)[n - 1]
             indices = kind.endswith("indices")
             m = First(cls(size, return_indices=True)) if indices else cls(size)
-        return _probe(ctx, m, s, f"{kind}{n}d({size})", inplace_ok=True)
+        return _probe(m, s, f"{kind}{n}d({size})", inplace_ok=True)
     k = _int(draw, 1, 3)
     stride = _pick(draw, [None, 1, 2])
     padding = _int(draw, 0, k // 2)
@@ -782,7 +804,7 @@ def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
         cls = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)[n - 1]
         include = bool(draw(st.booleans()))
         m = cls(k, stride=stride, padding=padding, ceil_mode=ceil, count_include_pad=include)
-        return _probe(ctx, m, s, f"AvgPool{n}d({k}, stride={stride}, padding={padding}, ceil={ceil}, include_pad={include})", inplace_ok=True)  # fmt: skip
+        return _probe(m, s, f"AvgPool{n}d({k}, stride={stride}, padding={padding}, ceil={ceil}, include_pad={include})", inplace_ok=True)  # fmt: skip
     dilation = _int(draw, 1, 2)
     if kind == "F.max_pool":
         fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[n - 1]
@@ -792,7 +814,7 @@ def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
         indices = kind == "max+indices"
         m = cls(k, stride=stride, padding=padding, dilation=dilation, ceil_mode=ceil, return_indices=indices)
         m = First(m) if indices else m
-    return _probe(ctx, m, s, f"{kind}{n}d({k}, stride={stride}, padding={padding}, dilation={dilation}, ceil={ceil})", inplace_ok=True)  # fmt: skip
+    return _probe(m, s, f"{kind}{n}d({k}, stride={stride}, padding={padding}, dilation={dilation}, ceil={ceil})", inplace_ok=True)  # fmt: skip
 
 
 def step_interpolate(draw, ctx: Ctx, s: State) -> Built | None:
@@ -800,7 +822,7 @@ def step_interpolate(draw, ctx: Ctx, s: State) -> Built | None:
     mode = _pick(draw, ["nearest"] + [["linear", "bilinear", "trilinear"][n - 1]])
     if s.numel * 2**n > MAX_NUMEL:
         return None
-    return _probe(ctx, Fn(F.interpolate, scale_factor=2, mode=mode), s, f"F.interpolate(x2, {mode})", inplace_ok=True)
+    return _probe(Fn(F.interpolate, scale_factor=2, mode=mode), s, f"F.interpolate(x2, {mode})", inplace_ok=True)
 
 
 def step_to_sequence(draw, ctx: Ctx, s: State) -> Built | None:
@@ -808,7 +830,7 @@ def step_to_sequence(draw, ctx: Ctx, s: State) -> Built | None:
     if s.rank < 3:
         return None
     m = nn.Sequential(nn.Flatten(2), Fn(torch.transpose, 1, 2))
-    return _probe(ctx, m, s, "flatten(2).transpose(1, 2)", inplace_ok=s.inplace_ok)
+    return _probe(m, s, "flatten(2).transpose(1, 2)", inplace_ok=s.inplace_ok)
 
 
 def step_channels_last_norm(draw, ctx: Ctx, s: State) -> Built | None:
@@ -818,7 +840,7 @@ def step_channels_last_norm(draw, ctx: Ctx, s: State) -> Built | None:
     r = s.rank
     to_last, to_first = (0, *range(2, r + 1), 1), (0, r, *range(1, r))
     m = nn.Sequential(Method("permute", to_last), nn.LayerNorm(s.shape[0]), Method("permute", to_first))
-    return _probe(ctx, m, s, f"permute -> LayerNorm({s.shape[0]}) -> permute", inplace_ok=True)
+    return _probe(m, s, f"permute -> LayerNorm({s.shape[0]}) -> permute", inplace_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -836,7 +858,7 @@ def step_sdpa(draw, ctx: Ctx, s: State) -> Built | None:
     m = SDPA(seq, e, heads, head_dim, fused=fused, mask="none" if mask == "causal" else mask,
              causal=mask == "causal", dropout=dropout, out_proj=out_proj)  # fmt: skip
     desc = f"SDPA(heads={heads}, head_dim={head_dim}, mask={mask}, dropout_p={dropout}, fused_qkv={fused}, out_proj={out_proj})"
-    return _probe(ctx, m, s, desc + _maybe_freeze(draw, m), inplace_ok=out_proj)
+    return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=out_proj)
 
 
 def step_mha(draw, ctx: Ctx, s: State) -> Built | None:
@@ -850,7 +872,7 @@ def step_mha(draw, ctx: Ctx, s: State) -> Built | None:
     mask = _pick(draw, ["none", "causal", "padding"])
     m = MHA(mha, seq, same_kv=same_kv, need_weights=need_weights, mask=mask)
     desc = f"MultiheadAttention({e}, {heads}, dropout={dropout}, bias={bias}, self={same_kv}, need_weights={need_weights}, mask={mask})"
-    return _probe(ctx, m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
+    return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
 
 
 def step_bmm(draw, ctx: Ctx, s: State) -> Built | None:
@@ -858,32 +880,104 @@ def step_bmm(draw, ctx: Ctx, s: State) -> Built | None:
     if _chance(draw, 50):
         if c * c > MAX_NUMEL:
             return None
-        return _probe(ctx, SelfBmm(), s, "torch.bmm(x, x.transpose(1, 2))", inplace_ok=True)
+        return _probe(SelfBmm(), s, "torch.bmm(x, x.transpose(1, 2))", inplace_ok=True)
     k = _int(draw, 1, 12)
     m = MatmulParam(n, k)
-    return _probe(ctx, m, s, f"torch.matmul(x, W[{n}, {k}])" + _maybe_freeze(draw, m), inplace_ok=True)
+    return _probe(m, s, f"torch.matmul(x, W[{n}, {k}])" + _maybe_freeze(draw, m), inplace_ok=True)
+
+
+def step_recurrent(draw, ctx: Ctx, s: State) -> Built | None:
+    """nn.LSTM / nn.GRU / nn.RNN over (sequence, features), batch first."""
+    seq, e = s.shape
+    cls = _pick(draw, [nn.LSTM, nn.GRU, nn.RNN])
+    hidden, layers = _int(draw, 1, 8), _int(draw, 1, 2)
+    bidirectional = bool(_chance(draw, 30))
+    m = First(cls(e, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=True))
+    desc = f"{cls.__name__}({e}, {hidden}, num_layers={layers}, bidirectional={bidirectional}, batch_first=True)"
+    return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=False)  # the oneDNN LSTM saves its output
+
+
+_ELEMENTWISE: list[tuple[str, Callable[[int], nn.Module], bool]] = [
+    # name, factory(last dim size), output is saved
+    ("softmax(-1)", lambda n: Fn(torch.softmax, -1), True),
+    ("log_softmax(1)", lambda n: Fn(F.log_softmax, 1), True),
+    ("F.normalize(-1)", lambda n: Fn(F.normalize, dim=-1), False),
+    ("PReLU", lambda n: nn.PReLU(), False),
+    ("x.cumsum(-1)", lambda n: Method("cumsum", -1), False),
+    ("x.exp()", lambda n: Method("exp"), True),
+    ("x.pow(2)", lambda n: Method("pow", 2), False),
+    ("x.clamp(-0.5, 0.5)", lambda n: Method("clamp", -0.5, 0.5), False),
+    ("x.masked_fill(x > 1, 0)", lambda n: MaskedFill(), False),
+]
+
+
+class MaskedFill(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(x > 1, 0.0)
+
+
+class ReduceMax(nn.Module):
+    """``x.max(dim, keepdim=True).values`` broadcast back: saves int64 indices."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.max(dim=self.dim, keepdim=True)[0]
+
+
+def step_elementwise(draw, ctx: Ctx, s: State) -> Built | None:
+    """Shape-preserving ops beyond activations: softmax, normalize, PReLU, cumsum, reductions."""
+    if _chance(draw, 20):
+        d = _int(draw, 1, s.rank)
+        return _probe(ReduceMax(d), s, f"x - x.max(dim={d}, keepdim=True)", inplace_ok=True)
+    name, factory, saves_output = _pick(draw, _ELEMENTWISE)
+    return _probe(factory(s.shape[-1]), s, name, inplace_ok=not saves_output)
+
+
+def step_pad(draw, ctx: Ctx, s: State) -> Built | None:
+    n = min(s.rank - 1, 3)
+    mode = _pick(draw, ["constant", "reflect", "replicate", "circular"])
+    pads = tuple(_int(draw, 0, 2) for _ in range(2 * n))
+    return _probe(Fn(F.pad, pads, mode=mode), s, f"F.pad({pads}, {mode})", inplace_ok=True)
+
+
+def step_pixel_shuffle(draw, ctx: Ctx, s: State) -> Built | None:
+    c = s.shape[0]
+    if c % 4 == 0 and _chance(draw, 50):
+        return _probe(nn.PixelShuffle(2), s, "PixelShuffle(2)", inplace_ok=True)
+    return _probe(nn.PixelUnshuffle(2), s, "PixelUnshuffle(2)", inplace_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------
 # The grammar: which steps apply at which rank, and how a whole case is drawn.
 
 ANY_RANK: list[Builder] = [
-    step_activation, step_dropout, step_linear, step_norm_last, step_residual, step_gate, step_cat, step_twice,
-    step_reuse, step_where, step_affine, step_slice, step_chunk_mul, step_batchnorm,
+    step_activation, step_activation, step_dropout, step_linear, step_linear, step_norm_last, step_residual,
+    step_gate, step_cat, step_twice, step_reuse, step_where, step_affine, step_slice, step_chunk_mul,
+    step_batchnorm, step_elementwise,
 ]  # fmt: skip
+"""Steps for every rank; a step listed twice is drawn twice as often."""
 BY_RANK: dict[int, list[Builder]] = {
-    1: [step_unflatten, step_batch_mix, step_tied_pair],
-    2: [step_conv, step_conv_transpose, step_channel_norm, step_pool, step_sdpa, step_mha, step_bmm,
-        step_transpose, step_flatten, step_unflatten, step_interpolate],  # fmt: skip
-    3: [step_conv, step_conv_transpose, step_channel_norm, step_pool, step_interpolate, step_flatten,
-        step_to_sequence, step_transpose, step_channels_last_norm, step_unflatten],  # fmt: skip
-    4: [step_conv, step_conv_transpose, step_channel_norm, step_pool, step_flatten, step_to_sequence,
-        step_transpose, step_channels_last_norm],  # fmt: skip
+    1: [step_unflatten, step_unflatten, step_batch_mix, step_tied_pair],
+    2: [step_conv, step_conv, step_conv_transpose, step_channel_norm, step_pool, step_pool, step_sdpa, step_sdpa,
+        step_mha, step_mha, step_bmm, step_transpose, step_flatten, step_unflatten, step_interpolate, step_pad,
+        step_recurrent],  # fmt: skip
+    3: [step_conv, step_conv, step_conv, step_conv_transpose, step_channel_norm, step_pool, step_pool,
+        step_interpolate, step_flatten, step_to_sequence, step_transpose, step_channels_last_norm, step_unflatten,
+        step_pad, step_pixel_shuffle],  # fmt: skip
+    4: [step_conv, step_conv, step_conv, step_conv_transpose, step_channel_norm, step_pool, step_pool, step_flatten,
+        step_to_sequence, step_transpose, step_channels_last_norm, step_pad],  # fmt: skip
 }
 
 
-def _input_state(draw) -> tuple[str, State]:
-    kind = _pick(draw, ["flat", "seq", "image2d", "image1d", "image3d", "tokens"])
+INPUT_KINDS = ("flat", "seq", "image2d", "image1d", "image3d", "tokens")
+_KINDS_AT_RANK = {1: ("flat",), 2: ("seq", "image1d"), 3: ("image2d",), 4: ("image3d",)}
+
+
+def _input_state(draw, kinds: tuple[str, ...] = INPUT_KINDS) -> tuple[str, State]:
+    kind = _pick(draw, kinds)
     if kind == "flat":
         shape: tuple[int, ...] = (_int(draw, 1, 32),)
     elif kind in ("seq", "image1d"):
@@ -899,23 +993,61 @@ def _input_state(draw) -> tuple[str, State]:
 
 def _embedding(draw, ctx: Ctx, s: State) -> Built:
     vocab, dim = _int(draw, 2, 16), _int(draw, 1, 12)
+    if _chance(draw, 25):
+        mode, padding_idx = _pick(draw, ["mean", "sum", "max"]), _pick(draw, [None, 0])
+        bag = nn.EmbeddingBag(vocab, dim, mode=mode, padding_idx=padding_idx)
+        desc = f"EmbeddingBag({vocab}, {dim}, mode={mode}, padding_idx={padding_idx})" + _maybe_freeze(draw, bag)
+        built = _probe(bag, s, desc, inplace_ok=True)
+        assert built is not None
+        return built
     padding_idx = _pick(draw, [None, 0, 1])
     emb = nn.Embedding(vocab, dim, padding_idx=padding_idx, scale_grad_by_freq=bool(_chance(draw, 20)))
-    ctx.weights.setdefault(tuple(emb.weight.shape), emb)
+    _offer_weights(ctx, emb)
     desc = f"Embedding({vocab}, {dim}, padding_idx={padding_idx})" + _maybe_freeze(draw, emb)
-    built = _probe(ctx, emb, s, desc, inplace_ok=True)
+    built = _probe(emb, s, desc, inplace_ok=True)
     assert built is not None
     return built
 
 
-def _draw_step(draw, ctx: Ctx, s: State) -> Built | None:
-    for _ in range(4):
-        builder = _pick(draw, ANY_RANK + BY_RANK[s.rank])
+def _draw_step(draw, ctx: Ctx, s: State, feature: Builder | None = None) -> tuple[Built, Builder] | None:
+    """A step that applies at ``s``, and the builder that made it; ``feature`` gets the first two tries."""
+    for attempt in range(4):
+        builder = feature if feature is not None and attempt < 2 else _pick(draw, ANY_RANK + BY_RANK[s.rank])
         built = builder(draw, ctx, s)
         if built is not None:
-            built.state = replace(built.state, dtype=s.dtype)
-            return built
+            _offer_weights(ctx, built.module)
+            return built, builder
     return None
+
+
+def _unique(builders: list[Builder]) -> list[Builder]:
+    return list(dict.fromkeys(builders))
+
+
+FEATURES: dict[str, Builder | None] = {
+    "free": None,
+    "tokens": None,
+    **{b.__name__.removeprefix("step_"): b for b in _unique(ANY_RANK + [b for r in BY_RANK.values() for b in r])},
+}
+"""What ``fuzz_cases(feature=...)`` can guarantee in a model: a step, token inputs, or nothing ('free')."""
+del FEATURES["reuse"]  # it needs an earlier shared module, which the grammar cannot guarantee
+
+
+def _kinds_for(feature: str) -> tuple[str, ...]:
+    """Input kinds from which ``feature`` applies at the first step."""
+    if feature == "tokens":
+        return ("tokens",)
+    builder = FEATURES[feature]
+    ranks = [r for r, builders in BY_RANK.items() if builder in builders]
+    return tuple(k for r in ranks for k in _KINDS_AT_RANK[r]) if ranks else INPUT_KINDS
+
+
+def _sequence_first(s: State) -> Built:
+    """An (S, B, E) input made batch-first by the model's first op, a transposed view of the input."""
+    seq, e = s.shape
+    first = (torch.randn(seq, 2, e).transpose(0, 1), torch.randn(seq, 1, e).transpose(0, 1))
+    return Built(Method("transpose", 0, 1), State(s.shape, s.dtype, inplace_ok=True, examples=first),
+                 f"x.transpose(0, 1) of the sequence-first input -> {s.shape}")  # fmt: skip
 
 
 def _retie(ctx: Ctx) -> None:
@@ -925,33 +1057,45 @@ def _retie(ctx: Ctx) -> None:
 
 
 @st.composite
-def fuzz_cases(draw, max_steps: int = MAX_STEPS) -> FuzzCase:  # type: ignore[no-untyped-def]
-    """A random model from the grammar, with its inputs, loss, dtype, device and batches to check."""
+def fuzz_cases(draw, feature: str = "free", max_steps: int = MAX_STEPS) -> FuzzCase:  # type: ignore[no-untyped-def]
+    """A random model from the grammar, with its inputs, loss, dtype, device and batches to check.
+
+    ``feature`` (a key of FEATURES) makes the model contain that step wherever it first applies
+    (usually the first step), so that a few examples per feature cover the whole grammar.
+    """
     dtype = _pick(draw, [torch.float32, torch.float32, torch.float16, torch.bfloat16])
-    kind, state = _input_state(draw)
-    input_shape, ctx = state.shape, Ctx(dtype)
+    kind, state = _input_state(draw, _kinds_for(feature))
+    wanted = FEATURES[feature]
+    input_dims: tuple[int | str, ...] = ("B", *state.shape)
+    ctx = Ctx()
     merge = _pick(draw, ["add", "mul", "cat"]) if kind != "tokens" and _chance(draw, 15) else ""
     if merge == "cat":
         state = replace(state, shape=(2 * state.shape[0], *state.shape[1:]), inplace_ok=True)
     steps: list[Built] = []
+    if kind == "seq" and not merge and _chance(draw, 20):
+        steps.append(_sequence_first(state))
+        input_dims, state = (state.shape[0], "B", state.shape[1]), steps[-1].state
     if kind == "tokens":
         steps.append(_embedding(draw, ctx, state))
         state = steps[-1].state
     state = replace(state, dtype=dtype)
     for _ in range(_int(draw, 1, max_steps)):
-        built = _draw_step(draw, ctx, state)
-        if built is None:
+        drawn = _draw_step(draw, ctx, state, wanted)
+        if drawn is None:
             break
+        built, builder = drawn
+        wanted = None if builder is wanted else wanted
         steps.append(built)
         state = built.state
     modules = [b.module for b in steps] or [nn.Identity()]
-    model: nn.Module = Net2(modules, merge) if merge else Net(modules)
+    output = _pick(draw, ["tensor", "tensor", "tensor", "tuple", "dict"])
+    model: nn.Module = Net2(modules, merge, output) if merge else Net(modules, output)
     model = model.to(dtype)
     device = _pick(draw, ["cpu", "cpu", "cpu", "meta"])
     if device == "meta":
         model = model.to("meta")
     _retie(ctx)
-    spec = ",".join(["B", *map(str, input_shape)]) + (":int64" if kind == "tokens" else f":{_dtype_name(dtype)}")
+    spec = ",".join(map(str, input_dims)) + (":int64" if kind == "tokens" else f":{_dtype_name(dtype)}")
     inputs: list[str] | dict[str, str]
     if merge:
         inputs = {"x": spec, "y": spec} if _chance(draw, 50) else [spec, spec]
@@ -960,6 +1104,7 @@ def fuzz_cases(draw, max_steps: int = MAX_STEPS) -> FuzzCase:  # type: ignore[no
     loss = _pick(draw, LOSSES)
     extra = _pick(draw, [(), (), (1,), (4,)])
     descs = ([f"merge inputs: {merge}"] if merge else []) + [b.desc for b in steps]
+    descs += [f"returns {'(x.argmax(-1), x)' if output == 'tuple' else '{logits: x, aux: x.detach().sum()}'}"] if output != "tensor" else []
     return FuzzCase(model, inputs, loss, (2, 3, *extra), descs, dtype, device)
 
 
@@ -981,7 +1126,7 @@ def validate_case(case: FuzzCase) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = model.train()(*args, **kwargs)
+            out = _first_floating(model.train()(*args, **kwargs))
             loss = fxmem.losses.get_loss(case.loss)
             value = loss.compute(out, loss.make_target(out))
             if value.requires_grad:
@@ -998,6 +1143,10 @@ class Mismatch(AssertionError):
     def __init__(self, message: str, targets: tuple[str, ...]) -> None:
         super().__init__(message)
         self.targets = targets
+
+
+def _first_floating(out: object) -> torch.Tensor:
+    return next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def check_case(case: FuzzCase) -> None:

@@ -40,7 +40,7 @@ class _NoParams(nn.Module):
 
 
 def no_parameters() -> ModelSpec:
-    """No parameters at all: state is 0, activations are the ReLU's output."""
+    """No parameters at all: state is 0, and with nothing requiring grad autograd saves nothing."""
     return ModelSpec(_NoParams(), ("B,16",))
 
 
@@ -117,3 +117,39 @@ class _Attention(nn.Module):
 
 
 NOT_CALLABLE = 42
+
+
+class _ShapeGate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] > 2:  # control flow on a shape: fx cannot trace it, fake tensors can run it
+            return torch.relu(x)
+        return x
+
+
+class _ShapeBranchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.gate = _ShapeGate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.lin(x))
+
+
+def shape_branchy() -> ModelSpec:
+    """Branches on a shape inside 'gate' (_ShapeGate): untraceable, but fine with --leaf _ShapeGate."""
+    return ModelSpec(_ShapeBranchy(), ("B,8",))
+
+
+def bad_default_inputs() -> ModelSpec:
+    """Default inputs that do not parse: the error must name the model and suggest --input."""
+    return ModelSpec(nn.Linear(8, 4), ["B,x"])
+
+
+def unknown_default_loss() -> ModelSpec:
+    return ModelSpec(nn.Linear(8, 4), ["B,8"], loss="hinge")
+
+
+def tuple_inputs() -> tuple[nn.Module, tuple[str, ...]]:
+    """(module, inputs) with the inputs as a tuple of spec strings, not one shape."""
+    return nn.Linear(8, 4), ("B,8",)

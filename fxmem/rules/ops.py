@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from fxmem.rules import Registry
 from fxmem.rules.onednn_rnn import lstm_workspace_bytes
 
@@ -37,3 +39,44 @@ def mkldnn_rnn_layer_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], o
         seq_len=int(seq_len), batch=int(batch), input_size=int(inp.shape[2]), hidden_size=hidden_size, dtype=inp.dtype
     )
     return {3: nbytes}
+
+
+# Note [CPU embedding_bag buffers]
+#     The CPU kernel of aten._embedding_bag allocates two of its outputs larger than they end up, then
+#     shrinks them with resize_, which keeps the storage: offset2bag (output 1) is made with
+#     indices.size(0) + 1 elements and resized to indices.size(0); bag_size (output 2) is made with
+#     offsets.size(0) elements and, under include_last_offset, resized to one fewer. Its meta kernel
+#     allocates the final sizes. It also disagrees about when offset2bag exists at all: the kernel
+#     skips it for mode='sum' on its fast path, which takes float32, float16 and bfloat16 weights,
+#     while the meta kernel's copy of that test leaves bfloat16 out. Both outputs are saved for backward.
+
+
+@register_op_rule(("aten._embedding_bag", "cpu"))
+def embedding_bag_buffers(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> dict[int, object]:
+    """offset2bag and bag_size as the CPU kernel allocates them. See Note [CPU embedding_bag buffers]."""
+    weight, indices, offsets = args[0], args[1], args[2]
+    mode = _arg(args, kwargs, 4, "mode", 0)
+    per_sample_weights = _arg(args, kwargs, 6, "per_sample_weights", None)
+    padding_idx = _arg(args, kwargs, 8, "padding_idx", -1)
+    offset2bag, bag_size = out[1], out[2]
+    needs_offset2bag = mode != _EMBEDDING_BAG_SUM or not _embedding_bag_fast_sum(weight, per_sample_weights, padding_idx)
+    return {
+        1: (indices.shape[0] + 1) * offset2bag.element_size() if needs_offset2bag else 0,
+        2: offsets.shape[0] * bag_size.element_size(),
+    }
+
+
+_EMBEDDING_BAG_SUM = 0
+
+
+def _embedding_bag_fast_sum(weight: Any, per_sample_weights: Any, padding_idx: int) -> bool:
+    """The CPU kernel's ``is_fast_path`` for mode='sum' (its freshly made output is always row-contiguous)."""
+    fast = weight.dtype in (torch.float32, torch.float16, torch.bfloat16) and weight.stride(1) == 1 and padding_idx < 0
+    return fast and (per_sample_weights is None or per_sample_weights.stride(0) == 1)
+
+
+def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str, default: Any) -> Any:
+    """An aten op's argument, whether the dispatcher passed it by position, by name, or left the default."""
+    if index < len(args):
+        return args[index]
+    return kwargs.get(name, default)

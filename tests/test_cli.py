@@ -1,0 +1,135 @@
+"""The happy paths of the ``fxmem`` command line, through ``fxmem.cli.main`` as the script runs it."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from fxmem import cli
+from fxmem.api import analyze
+from fxmem.load import load_model
+from models_zoo import ZOO
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = "zoo:wide-mlp:test"
+
+
+@pytest.fixture(autouse=True)
+def _quiet_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cli, "_SLOW_S", 1e9)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err == ""
+    return out
+
+
+def test_json_has_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    report = json.loads(run(capsys, "analyze", MLP, "--format", "json", "--device-memory", "24GB"))
+    for key in ("model", "inputs", "model_state", "activations", "nodes", "layers", "at_batch", "max_batch", "device_memory"):
+        assert key in report
+    assert report["model"] == MLP
+    assert report["device_memory"] == 24 * 10**9 and report["max_batch"] > 0
+    assert report["at_batch"]["batch"] == 32
+    assert sum(layer["bytes_at_batch"] for layer in report["layers"]) == report["at_batch"]["activations"]
+
+
+def test_csv_rows_add_up_to_the_total(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = list(csv.reader(io.StringIO(run(capsys, "analyze", MLP, "--format", "csv", "--batch", "4"))))
+    assert rows[0][:3] == ["Layer", "Op", "Output shape"] and rows[0][5] == "At B=4"
+    *layers, total = rows[1:]
+    assert total[0] == "Total activations"
+    assert sum(int(r[5]) for r in layers) == int(total[5]) > 0
+
+
+def test_markdown_is_a_github_table(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(capsys, "analyze", MLP, "--format", "markdown")
+    assert re.search(r"^\| Layer +\| Op", out, re.M)
+    assert re.search(r"^\|-+\|", out, re.M)
+
+
+def test_depth_groups_by_top_level_module(capsys: pytest.CaptureFixture[str]) -> None:
+    report = json.loads(run(capsys, "analyze", "zoo:resnet50:test", "--depth", "1", "--format", "json"))
+    names = [layer["layer"] for layer in report["layers"]]
+    assert "layer1" in names and not any("." in n for n in names)
+
+
+def test_top_names_the_share_of_the_k_largest(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(capsys, "analyze", MLP, "--top", "3")
+    match = re.search(r"^3 layers hold (\d+\.\d)% of activation memory at B=32\.$", out, re.M)
+    assert match and 0 < float(match.group(1)) <= 100
+
+
+def test_zoo_lists_every_model(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(capsys, "zoo")
+    listed = {line.split()[0] for line in out.splitlines()[2:] if line.strip()}
+    assert listed == set(ZOO)
+
+
+def test_measure_is_exact_on_the_mlp(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run(capsys, "measure", MLP, "--batch", "2")
+    assert re.search(r"Activations at B=2: measured (\d+) B, predicted \1 B: exact\.", out)
+
+
+def test_leaf_keeps_attention_as_one_node(capsys: pytest.CaptureFixture[str]) -> None:
+    report = json.loads(run(capsys, "analyze", "tests/models_for_errors.py:attention", "--leaf", "MultiheadAttention", "--format", "json"))
+    assert [n["target"] for n in report["nodes"] if n["layer"] == "attn"] == ["MultiheadAttention"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["analyze", "--help"], ["measure", "--help"]])
+def test_help_warns_that_loading_runs_code(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    out = run(capsys, *argv)
+    assert "RUNS that code with your permissions" in " ".join(out.split())
+
+
+def test_analyze_reports_its_stages() -> None:
+    spec = load_model(MLP)
+    stages: list[str] = []
+    analyze(spec.model, spec.inputs, loss=spec.loss, progress=stages.append)
+    assert stages == [
+        "tracing with torch.fx",
+        "capturing saved tensors (symbolic pass, batch B)",
+        "capturing saved tensors (concrete pass at B=1)",
+        "counting model state",
+    ]
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_on_a_terminal_is_one_line_erased_at_the_end() -> None:
+    stream = _Stream(tty=True)
+    progress = cli._Progress(stream)
+    progress("tracing with torch.fx")
+    progress("counting model state")
+    progress.close()
+    assert stream.getvalue() == "\r\x1b[Kfxmem: tracing with torch.fx...\r\x1b[Kfxmem: counting model state...\r\x1b[K"
+
+
+def test_progress_elsewhere_only_for_slow_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "_SLOW_S", 0.05)
+    stream = _Stream(tty=False)
+    progress = cli._Progress(stream)
+    progress("quick")
+    progress("slow")  # cancels 'quick' before its timer fires
+    deadline = time.monotonic() + 10
+    while not stream.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    progress.close()
+    assert stream.getvalue() == "fxmem: slow...\n"

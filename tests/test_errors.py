@@ -1,0 +1,246 @@
+"""The catalogue of bad inputs: each ends in exit status 2 and one line on stderr that names the culprit
+and the way out, with no traceback. See docs/errors.md for the table users read.
+
+Every test goes through ``fxmem.cli.main`` as the ``fxmem`` script does; two run ``python -m fxmem`` in a
+subprocess to prove that nothing else (a traceback, torch's own error log) reaches the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxmem import cli
+from fxmem.api import analyze
+from fxmem.errors import CaptureError, FxmemError
+from fxmem.inputs import InputSpec, parse_inputs
+from fxmem.load import load_leaf_types, load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+M = "tests/models_for_errors.py"
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Specs such as tests/models_for_errors.py:linear_8_4 are relative to the repo root; no progress lines."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cli, "_SLOW_S", 1e9)
+
+
+def error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run the CLI, assert exit 2, nothing on stdout and exactly one 'fxmem: error:' line; return it."""
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 2, f"exit {code}\nstdout: {out}\nstderr: {err}"
+    assert out == ""
+    assert err.startswith("fxmem: error: ") and err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+# (argv, substrings the message must contain), one entry per mistake; the id says what is wrong.
+CATALOGUE = [
+    # Input shapes and dtypes.
+    pytest.param(["--input", "B,3,,224"], ["'B,3,,224'", "'' is not a dimension", "B,3,224,224"], id="shape-empty-dim"),
+    pytest.param(["--input", "B,x"], ["'B,x'", "unknown symbol 'x'", "positive integer"], id="shape-symbol-x"),
+    pytest.param(["--input", "3,224"], ["'3,224'", "no batch axis", "B,3,224,224"], id="shape-without-B"),
+    pytest.param(["--input", "B,B,3"], ["'B,B,3'", "more than once", "exactly one axis"], id="shape-B-twice"),
+    pytest.param(["--input", "B,-1"], ["'B,-1'", "dimension -1 must be a positive integer"], id="shape-negative"),
+    pytest.param(["--input", "B,0"], ["'B,0'", "dimension 0 must be a positive integer"], id="shape-zero"),
+    pytest.param(["--input", "B,S,64"], ["'B,S,64'", "unknown symbol 'S'", "written 'B'"], id="shape-symbol-S"),
+    pytest.param(["--input", "B,3:float33"], ["unknown dtype 'float33'", "float32", "bfloat16"], id="dtype-unknown"),
+    pytest.param(["--input", "B,8:"], ["'B,8:'", "nothing after ':'", "B,1024:int64"], id="dtype-empty"),
+    pytest.param(["--input", "=B,8"], ["'=B,8'", "not a valid keyword name"], id="keyword-empty"),
+    pytest.param(["--input", "x=B,8", "--input", "B,8"], ["comes after a keyword input", "positional inputs first"], id="positional-after-keyword"),
+    # Sizes.
+    pytest.param(["--device-memory", "-1"], ["--device-memory '-1' is not a size", "80GiB"], id="device-memory-negative"),
+    pytest.param(["--device-memory", "abc"], ["--device-memory 'abc' is not a size", "GiB", "GB"], id="device-memory-abc"),
+    pytest.param(["--device-memory", "0"], ["--device-memory '0' is 0 bytes", "80GiB"], id="device-memory-zero"),
+    pytest.param(["--device-memory", "0.5B"], ["--device-memory '0.5B' is 0 bytes"], id="device-memory-half-byte"),
+    # Options argparse checks: one line too, pointing at --help.
+    pytest.param(["--batch", "0"], ["argument --batch: '0' is not a positive integer", "fxmem analyze --help"], id="batch-zero"),
+    pytest.param(["--batch", "-3"], ["argument --batch: '-3' is not a positive integer"], id="batch-negative"),
+    pytest.param(["--batch", "x"], ["argument --batch: 'x' is not a whole number"], id="batch-not-a-number"),
+    pytest.param(["--top", "0"], ["argument --top: '0' is not a positive integer"], id="top-zero"),
+    pytest.param(["--depth", "-1"], ["argument --depth: '-1' is negative"], id="depth-negative"),
+    pytest.param(["--loss", "hinge"], ["argument --loss: invalid choice: 'hinge'", "cross_entropy"], id="loss-unknown"),
+    pytest.param(["--format", "bad"], ["argument --format: invalid choice: 'bad'", "json"], id="format-unknown"),
+    pytest.param(["--optimizer", "adamm"], ["unknown optimizer 'adamm'", "adamw", "sgd-momentum"], id="optimizer-unknown"),
+    pytest.param(["--param-dtype", "float33"], ["--param-dtype: unknown dtype 'float33'", "bfloat16"], id="param-dtype-unknown"),
+    pytest.param(["--param-dtype", "int64"], ["--param-dtype: 'int64' is not a floating-point dtype"], id="param-dtype-int"),
+    # --leaf names.
+    pytest.param(["--leaf", "Lineer"], ["--leaf 'Lineer'", "did you mean 'Linear'?", "package.module:ClassName"], id="leaf-unknown"),
+    pytest.param(["--leaf", "functional"], ["--leaf 'functional'", "not an nn.Module class"], id="leaf-not-a-class"),
+    pytest.param(["--leaf", "nosuchpkg.mod:Block"], ["--leaf 'nosuchpkg.mod:Block'", "cannot import module 'nosuchpkg.mod'"], id="leaf-missing-module"),
+]
+
+
+@pytest.mark.parametrize(("options", "expected"), CATALOGUE)
+def test_bad_option(capsys: pytest.CaptureFixture[str], options: list[str], expected: list[str]) -> None:
+    line = error_line(capsys, "analyze", f"{M}:linear_8_4", *options)
+    for text in expected:
+        assert text in line
+
+
+SPECS = [
+    pytest.param("zoo:wide-mlpp", ["unknown zoo model 'wide-mlpp'", "did you mean 'wide-mlp'?", "gpt2-small, gpt-7b, wide-mlp"], id="zoo-unknown-name"),
+    pytest.param("zoo:nope", ["unknown zoo model 'nope'", "resnet50", "lstm-lm"], id="zoo-unknown-no-guess"),
+    pytest.param("zoo:wide-mlp:big", ["unknown variant 'big'", "zoo:wide-mlp:test"], id="zoo-unknown-variant"),
+    pytest.param("nosuchpkg.models:build", ["cannot import module 'nosuchpkg.models'", "PYTHONPATH"], id="module-missing"),
+    pytest.param("models_zoo.wide_mlp:bild", ["no attribute 'bild'", "did you mean 'build'?"], id="factory-missing"),
+    pytest.param(f"{M}:nothing_like_it", ["no attribute 'nothing_like_it'", "it defines", "linear_8_4"], id="factory-missing-lists"),
+    pytest.param("missing/model.py:build", ["no file 'missing/model.py'", ".py file"], id="file-missing"),
+    pytest.param(f"{M}:raises", ["the factory raised RuntimeError", "weights.yaml"], id="factory-raises"),
+    pytest.param(f"{M}:returns_string", ["returned str, not an nn.Module", "fxmem.ModelSpec"], id="factory-returns-str"),
+    pytest.param(f"{M}:needs_arguments", ["missing 1 required positional argument: 'hidden'", "wrap it in a function"], id="factory-needs-args"),
+    pytest.param(f"{M}:NOT_CALLABLE", ["'NOT_CALLABLE' is an int, not a factory"], id="factory-not-callable"),
+    pytest.param("wide_mlp", ["'wide_mlp' is not understood", "did you mean 'zoo:wide-mlp'?"], id="spec-without-colon"),
+    pytest.param(M, ["is not understood", f"'{M}:build'"], id="spec-file-without-factory"),
+    pytest.param(f"{M}:no_inputs", ["has no default inputs", "--input B,3,224,224"], id="no-default-inputs"),
+    pytest.param(f"{M}:bad_default_inputs", ["invalid default inputs ['B,x']", "unknown symbol 'x'", "Pass --input"], id="bad-default-inputs"),
+    pytest.param(f"{M}:unknown_default_loss", ["asks for loss 'hinge'", "pass --loss"], id="unknown-default-loss"),
+]
+
+
+@pytest.mark.parametrize(("spec", "expected"), SPECS)
+def test_bad_model_spec(capsys: pytest.CaptureFixture[str], spec: str, expected: list[str]) -> None:
+    line = error_line(capsys, "analyze", spec)
+    for text in expected:
+        assert text in line
+
+
+MODELS = [
+    pytest.param([f"{M}:returns_int"], ["returned int", "tensor output", "forward() returns"], id="output-int"),
+    pytest.param([f"{M}:returns_str"], ["returned str", "tensor output"], id="output-str"),
+    pytest.param([f"{M}:returns_none"], ["returned NoneType", "tensor output"], id="output-none"),
+    pytest.param([f"{M}:two_inputs", "--input", "B,8"], ["needs input 'mask'", "--input mask=B,"], id="input-missing"),
+    pytest.param([f"{M}:linear_8_4", "--input", "B,8", "--input", "B,8"], ["takes inputs (input)", "2 positional"], id="inputs-too-many"),
+    pytest.param([f"{M}:linear_8_4", "--input", "mask=B,8"], ["takes inputs (input)", "'mask'", "forward() signature"], id="keyword-unknown"),
+    # The node, its module, the input shape and the weight's shape.
+    pytest.param([f"{M}:linear_8_4", "--input", "B,7"], ["node '_0'", "module '0'", "(1, 7)", "[8, 4]", "--input shapes"], id="shape-rejected"),
+    pytest.param(
+        [f"{M}:branchy"],
+        ["cannot trace module 'gate' (_Gate)", "models_for_errors.py:", "if x.sum() > 0", "--leaf _Gate", "torch.where"],
+        id="untraceable",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected"), MODELS)
+def test_bad_model(capsys: pytest.CaptureFixture[str], argv: list[str], expected: list[str]) -> None:
+    line = error_line(capsys, "analyze", *argv)
+    for text in expected:
+        assert text in line
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        pytest.param([], "name a command: analyze, measure or zoo", id="no-command"),
+        pytest.param(["bogus"], "invalid choice: 'bogus'", id="unknown-command"),
+        pytest.param(["analyze"], "the following arguments are required: spec", id="no-spec"),
+        pytest.param(["measure", f"{M}:linear_8_4", "--input", "B,7"], "node '_0'", id="measure-shape-rejected"),
+    ],
+)
+def test_bad_command_line(capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
+    assert expected in error_line(capsys, *argv)
+
+
+@pytest.mark.parametrize("size", ["80GiB", "80 GB"])
+def test_device_memory_sizes_that_parse(capsys: pytest.CaptureFixture[str], size: str) -> None:
+    assert cli.main(["analyze", f"{M}:linear_8_4", "--device-memory", size, "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device_memory"] == (80 * 2**30 if size == "80GiB" else 80 * 10**9)
+    assert report["max_batch"] > 10**6
+
+
+def test_model_without_parameters_works(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["analyze", f"{M}:no_parameters", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model_state"]["parameters"] == 0 and report["model_state"]["total"] == 0
+    # Nothing requires grad (no parameters, inputs are data), so autograd saves nothing either.
+    assert report["activations"] == {"per_sample": 0, "constant": 0}
+
+
+def test_leaf_makes_a_shape_branch_traceable(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--leaf _ShapeGate" in error_line(capsys, "analyze", f"{M}:shape_branchy")
+    assert cli.main(["analyze", f"{M}:shape_branchy", "--leaf", "_ShapeGate", "--format", "json"]) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    assert [n["target"] for n in nodes if n["layer"] == "gate"] == ["_ShapeGate"]
+
+
+def test_leaf_names_resolve() -> None:
+    model = load_model(f"{M}:attention").model
+    assert load_leaf_types(["MultiheadAttention"], model) == (torch.nn.MultiheadAttention,)
+    assert load_leaf_types(["torch.nn:MultiheadAttention", "MultiheadAttention"], model) == (torch.nn.MultiheadAttention,)
+    assert load_leaf_types(["_Attention"], model)[0].__name__ == "_Attention"  # a class of the model itself
+
+
+def test_ctrl_c_exits_130_with_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*_a: object, **_k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "analyze", interrupted)
+    assert cli.main(["analyze", f"{M}:linear_8_4"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err == "fxmem: interrupted (Ctrl-C); nothing was reported.\n"
+
+
+def test_a_bug_in_fxmem_is_not_disguised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only FxmemError is the user's to fix; anything else keeps its traceback (exit 1 from the script)."""
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise ZeroDivisionError("bug")
+
+    monkeypatch.setattr(cli, "analyze", broken)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["analyze", f"{M}:linear_8_4"])
+
+
+def test_message_survives_the_fx_interpreter() -> None:
+    """fx's Interpreter.run appends 'While executing ...' and a stack trace to e.args; str() keeps the paragraph."""
+    e = CaptureError("node 'x' failed.")
+    e.args = (e.args[0] + "\n\nWhile executing %x\nOriginal traceback: ...",)
+    assert str(e) == "node 'x' failed."
+    assert isinstance(e, FxmemError)
+
+
+def test_tuple_of_spec_strings_is_inputs_not_a_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_inputs(("B,8", "B,4:int64")) == (InputSpec(None, ("B", 8)), InputSpec(None, ("B", 4), torch.int64))
+    assert parse_inputs(("B", 8)) == (InputSpec(None, ("B", 8)),)
+    assert cli.main(["analyze", f"{M}:tuple_inputs"]) == 0
+
+
+def _python_m_fxmem(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fxmem", *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # The fake kernel fails: torch logs a traceback of its own unless the CLI quiets it.
+        pytest.param(["analyze", f"{M}:linear_8_4", "--input", "B,7"], "node '_0'", id="shape-rejected"),
+        pytest.param(["analyze", f"{M}:raises"], "the factory raised RuntimeError", id="factory-raises"),
+    ],
+)
+def test_no_traceback_reaches_the_terminal(argv: list[str], expected: str) -> None:
+    done = _python_m_fxmem(*argv)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert all(line.startswith("fxmem: ") for line in lines), done.stderr  # progress lines may precede the error
+    assert lines[-1].startswith("fxmem: error: ") and expected in lines[-1]
+    assert "Traceback" not in done.stderr
+
+
+def test_analyze_checks_its_arguments() -> None:
+    """The library boundary: a non-module and leaf_types that are names, not classes, get clear errors."""
+    with pytest.raises(FxmemError, match="needs an nn.Module, got str"):
+        analyze("zoo:wide-mlp", ["B,8"])  # type: ignore[arg-type]
+    with pytest.raises(FxmemError, match="leaf_types must hold nn.Module classes, got 'Linear'"):
+        analyze(torch.nn.Linear(8, 4), ["B,8"], leaf_types=("Linear",))  # type: ignore[arg-type]
