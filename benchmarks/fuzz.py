@@ -23,11 +23,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
-from fuzz_grammar import FuzzCase, GrammarError, Mismatch, check_case, fuzz_cases  # noqa: E402
+from fuzz_grammar import FEATURES, FuzzCase, GrammarError, Mismatch, check_case, fuzz_cases  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import HypothesisException  # noqa: E402
 
 _QUIET = list(HealthCheck)
+CASES = st.sampled_from(list(FEATURES)).flatmap(lambda feature: fuzz_cases(feature=feature))
+"""Models from the whole grammar, each built around one feature (see FEATURES), so all layers turn up."""
 
 
 @dataclass
@@ -64,7 +67,7 @@ def explore(examples: int, seed_value: int) -> tuple[int, list[Failure]]:
 
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=_QUIET, phases=[Phase.generate])
-    @given(case=fuzz_cases())
+    @given(case=CASES)
     def prop(case: FuzzCase) -> None:
         nonlocal tried
         tried += 1
@@ -88,7 +91,7 @@ def shrink(target: Failure, examples: int, seed_value: int) -> str | None:
     @seed(seed_value)
     @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=_QUIET,
               phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)  # fmt: skip
-    @given(case=fuzz_cases())
+    @given(case=CASES)
     def prop(case: FuzzCase) -> None:
         e = run_case(case)
         if e is not None and signature(e) == target.signature:

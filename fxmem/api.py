@@ -31,6 +31,7 @@ def analyze(
     device_memory: int | None = None,
     name: str | None = None,
     leaf_types: tuple[type, ...] = (),
+    frontend: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
@@ -48,13 +49,14 @@ def analyze(
     _check_model_args(model, leaf_types)
     say = progress or _silent
     model.train()
-    say("tracing with torch.fx")
-    gm = trace_model(model, name=name, leaf_types=leaf_types)
+    say("tracing the model")
+    traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
+    gm = traced.gm
     accounting = _account(gm, specs, loss_fn, name, say)
     say("counting model state")
     state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name)
-    return Report(name, specs, loss, accounting, state, batch, device_memory, evaluate)
+    return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, evaluate)
 
 
 def _account(

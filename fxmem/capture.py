@@ -183,7 +183,7 @@ def _target_name(n: fx.Node, gm: fx.GraphModule) -> str:
     if n.op == "call_module":
         return type(gm.get_submodule(str(n.target))).__name__
     if n.op == "call_function":
-        return getattr(n.target, "__name__", str(n.target))
+        return str(getattr(n.target, "_opname", None) or getattr(n.target, "__name__", n.target))
     return str(n.target)
 
 
@@ -329,18 +329,8 @@ def _run(gm: fx.GraphModule, book: _Book, values: list[Any], loss: Loss, model: 
     return recorder.infos
 
 
-def _first_tensor(out: object, model: str) -> torch.Tensor:
-    for leaf in tree_leaves(out):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            return leaf
-    raise InputSpecError(
-        f"model '{model}' returned {type(out).__name__} with no floating-point tensor in it; a training step "
-        "needs a tensor output to put a loss on. Wrap the model so that forward() returns its logits."
-    )
-
-
 def _run_loss(out: object, loss: Loss, book: _Book, model: str) -> NodeInfo:
-    output = _first_tensor(out, model)
+    output = loss.select(out, model)
     book.current = LOSS_NODE
     target = loss.make_target(output)
     if target is not None:

@@ -24,6 +24,7 @@ from fxmem.api import analyze
 from fxmem.errors import FxmemError, InputSpecError
 from fxmem.inputs import parse_dtype, parse_inputs, parse_size
 from fxmem.load import load_leaf_types, load_model
+from fxmem.tracing import FRONTENDS
 from fxmem.losses import LOSSES, get_loss
 from fxmem.measure import materialize, measure
 from fxmem.report import FORMATS, format_bytes, render
@@ -85,6 +86,9 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", metavar="SHAPE", help="an input shape with B on the batch axis, e.g. B,3,224,224 or input_ids=B,1024:int64; repeat for several inputs (default: the model's own)")
     p.add_argument("--loss", choices=list(LOSSES), help="the loss of the step (default: the model's own, else sum)")
     p.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
+    p.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
+    p.add_argument("--seq-len", type=_positive_int, metavar="S", help="hf: specs: the sequence length of the default inputs (default: the config's context, at most 2048)")
+    p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -149,11 +153,19 @@ class _Progress:
 
 def _load(args: argparse.Namespace, say: Callable[[str], None]) -> ModelSpec:
     say(f"loading {args.spec}")
-    spec = load_model(args.spec)
+    spec = load_model(args.spec, hf_config=_config_overrides(args.config), seq_len=args.seq_len)
     loss = args.loss or spec.loss
     if args.loss is None and loss not in LOSSES:
         raise InputSpecError(f"model '{args.spec}' asks for loss '{loss}', which fxmem does not know; pass --loss, one of {', '.join(LOSSES)}.")
     return ModelSpec(spec.model, _inputs(args, spec), loss, spec.name or args.spec)
+
+
+def _config_overrides(items: Sequence[str]) -> dict[str, str]:
+    pairs = [item.partition("=") for item in items]
+    bad = [item for item, (key, eq, _v) in zip(items, pairs) if not eq or not key.isidentifier()]
+    if bad:
+        raise InputSpecError(f"--config '{bad[0]}': write KEY=VALUE, e.g. --config n_layer=4 hidden_size=256.")
+    return {key: value for key, _eq, value in pairs}
 
 
 def _inputs(args: argparse.Namespace, spec: ModelSpec) -> Sequence[str] | Mapping[str, str]:
@@ -185,7 +197,8 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     spec = _load(args, say)
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
-        device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), progress=say,
+        device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
+        progress=say,
     )  # fmt: skip
     return render(report, args.format, depth=args.depth, top=args.top)
 
@@ -193,9 +206,14 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
 def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     spec = _load(args, say)
     leaves = load_leaf_types(args.leaf, spec.model)
-    report = analyze(spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec, leaf_types=leaves, progress=say)
+    report = analyze(
+        spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec, leaf_types=leaves,
+        frontend=args.frontend, progress=say,
+    )  # fmt: skip
     say(f"running the model for real on the CPU at B={args.batch}")
-    measured = measure(materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, leaf_types=leaves)
+    measured = measure(
+        materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, leaf_types=leaves, frontend=report.frontend
+    )
     return _comparison(report, measured.nodes, measured.total, args.batch)
 
 

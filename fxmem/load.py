@@ -1,6 +1,8 @@
 """Stage 1: resolve a model spec to a module on the meta device and its default inputs.
 
-Specs: ``zoo:NAME`` (models_zoo; ``zoo:NAME:test`` for its small test config), ``package.module:factory`` and ``path/to/file.py:factory``. A factory
+Specs: ``zoo:NAME`` (models_zoo; ``zoo:NAME:test`` for its small test config), ``hf:NAME`` or
+``hf:path/config.json`` (Hugging Face, from the config alone), ``package.module:factory`` and
+``path/to/file.py:factory``. A factory
 returns an ``nn.Module``, a ``ModelSpec``, or ``(module, inputs)``. It is called under
 ``torch.device("meta")``, so a 70B-parameter config costs no RAM.
 
@@ -15,7 +17,7 @@ import functools
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -23,13 +25,21 @@ import torch
 from torch import nn
 
 from fxmem.errors import FxmemError, LoadError
+from fxmem.huggingface import hf_factory
 from fxmem.results import ModelSpec
 
 __all__ = ["load_leaf_types", "load_model"]
 
 
-def load_model(spec: str, *, meta: bool = True) -> ModelSpec:
-    """Build the model named by ``spec`` (on the meta device unless ``meta=False``)."""
+def load_model(
+    spec: str, *, meta: bool = True, hf_config: Mapping[str, str] = {}, seq_len: int | None = None
+) -> ModelSpec:
+    """Build the model named by ``spec`` (on the meta device unless ``meta=False``).
+
+    ``hf_config`` (config overrides) and ``seq_len`` apply to ``hf:`` specs only.
+    """
+    if spec.startswith("hf:"):
+        return _call_factory(hf_factory(spec[len("hf:") :], overrides=hf_config, seq_len=seq_len), spec, meta=meta)
     factory, name = _resolve(spec)
     return _call_factory(factory, name, meta=meta)
 

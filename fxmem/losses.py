@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from torch.utils._pytree import tree_leaves
+
 from fxmem.errors import InputSpecError
 
 __all__ = ["LOSSES", "Loss", "get_loss"]
@@ -26,6 +28,33 @@ class Loss:
     summary: str
     target: Callable[[torch.Tensor], tuple[tuple[object, ...], torch.dtype] | None]
     compute: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+    own: bool | None = False
+    """True for 'model': the model computed its loss itself (a Hugging Face model given labels);
+    None for 'auto': the model's own loss where its output has one, else the sum of its output."""
+
+    def select(self, out: object, model: str) -> torch.Tensor:
+        """The tensor the loss applies to: the model's own scalar loss for 'model', else its first float output."""
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if self.own is not False:
+            own = getattr(out, "loss", None)
+            scalars = [own] if isinstance(own, torch.Tensor) else [t for t in leaves if t.dim() == 0]
+            if scalars or self.own is None:
+                return scalars[0] if scalars else self._first(leaves, out, model)
+            raise InputSpecError(
+                f"loss 'model': model '{model}' returned no scalar loss; give it its labels (e.g. --input "
+                "labels=B,S:int64) or choose another --loss."
+            )
+        return self._first(leaves, out, model)
+
+    @staticmethod
+    def _first(leaves: list[torch.Tensor], out: object, model: str) -> torch.Tensor:
+        if not leaves:
+            raise InputSpecError(
+                f"model '{model}' returned {type(out).__name__} with no floating-point tensor in it; a training "
+                "step needs a tensor output to put a loss on. Wrap the model so that forward() returns its logits."
+            )
+        return leaves[0]
 
     def make_target(self, output: torch.Tensor) -> torch.Tensor | None:
         """A target for ``output`` (fake under FakeTensorMode): zero class indices, or random floats."""
@@ -89,6 +118,8 @@ LOSSES: dict[str, Loss] = {
             _class_last,
             _lm_cross_entropy,
         ),
+        Loss("model", "the model's own loss (its .loss, or its scalar output): what it saves is in the graph", _no_target, lambda out, _t: out, own=True),
+        Loss("auto", "the model's own loss where its output has one, else sum", _no_target, lambda out, _t: out.sum(), own=None),
     )
 }
 

@@ -51,10 +51,12 @@ def measure(
     loss: str = "sum",
     seed: int = 0,
     leaf_types: tuple[type, ...] = (),
+    frontend: str = "auto",
 ) -> Measurement:
     """Run the model for real on the CPU at ``batch`` and measure the activation bytes saved for backward.
 
-    ``leaf_types`` must be the ones given to ``analyze`` so that the per-node split uses the same graph.
+    ``leaf_types`` and ``frontend`` must be the ones given to ``analyze`` so that the per-node split uses
+    the same graph.
     """
     if not isinstance(batch, int) or batch < 1:
         raise InputSpecError(f"batch must be a positive integer, got {batch!r}.")
@@ -62,7 +64,8 @@ def measure(
     torch.manual_seed(seed)
     real = materialize(model).train()
     total = _eager_total(real, specs, loss_fn, batch)
-    capture = record_real(trace_model(real, leaf_types=leaf_types), specs, loss=loss_fn, batch=batch)
+    traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
+    capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch)
     nodes: dict[str, int] = defaultdict(int)
     for s in capture.saved:
         if s.kind == Kind.ACTIVATION:
@@ -126,7 +129,7 @@ def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(*args, **kwargs)
-        output = next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        output = loss.select(out, type(model).__name__)
         target = loss.make_target(output)
         if target is not None:
             excluded.add(StorageWeakRef(target.untyped_storage()))

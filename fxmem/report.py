@@ -133,7 +133,8 @@ def render(report: Report, fmt: str = "table", *, depth: int | None = None, top:
 def _title(report: Report) -> str:
     inputs = ", ".join(str(s) for s in report.inputs)
     how = "one symbolic pass + B=1" if report.accounting.method == "symbolic" else "concrete passes"
-    return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({how})"
+    graph = "torch.fx" if report.frontend == "fx" else "torch.export"
+    return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how})"
 
 
 def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
@@ -222,6 +223,7 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
         "model": report.model,
         "loss": report.loss,
         "method": report.accounting.method,
+        "frontend": report.frontend,
         "linear_in_batch": report.accounting.linear,
         "inputs": [
             {"name": i.name, "shape": list(i.dims), "dtype": dtype_name(i.dtype), "bytes": _expr_dict(_input_expr(i))} for i in report.inputs

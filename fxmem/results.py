@@ -197,6 +197,8 @@ class Report:
     state: StateBytes
     batch: int = 32
     device_memory: int | None = None
+    frontend: str = "fx"
+    """How the graph was made: 'fx' (torch.fx.symbolic_trace) or 'export' (torch.export)."""
     evaluate: Callable[[int], Mapping[str, int]] | None = field(default=None, compare=False, repr=False)
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 

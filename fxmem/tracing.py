@@ -1,8 +1,8 @@
-"""Stage 2: trace the model into an fx graph with ``torch.fx.symbolic_trace``'s tracer.
+"""Stage 2: trace the model into an fx graph, with ``torch.fx.symbolic_trace``'s tracer or torch.export.
 
 Standard ``torch.nn`` modules stay leaves (one node each), as fx does by default; ``leaf_types``
 adds more. A model fx cannot trace gets a TraceError that names the module being traced when it
-failed and the user's source line.
+failed and the user's source line; with ``frontend="auto"`` it is exported instead (exporting.py).
 """
 
 from __future__ import annotations
@@ -10,14 +10,27 @@ from __future__ import annotations
 import inspect
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 from torch import nn
 
-from fxmem.errors import TraceError
+from fxmem.errors import InputSpecError, TraceError
+from fxmem.exporting import export_model
+from fxmem.inputs import InputSpec
 
-__all__ = ["trace_model"]
+__all__ = ["FRONTENDS", "Traced", "trace_model"]
+
+FRONTENDS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class Traced:
+    """The graph to run, and which frontend made it (the report says so)."""
+
+    gm: fx.GraphModule
+    frontend: str
 
 
 class _Tracer(fx.Tracer):
@@ -39,8 +52,31 @@ class _Tracer(fx.Tracer):
         return out
 
 
-def trace_model(model: nn.Module, *, name: str = "model", leaf_types: Sequence[type] = ()) -> fx.GraphModule:
-    """Trace ``model`` (usually on the meta device) into a GraphModule sharing its submodules."""
+def trace_model(
+    model: nn.Module,
+    specs: Sequence[InputSpec] = (),
+    *,
+    name: str = "model",
+    leaf_types: Sequence[type] = (),
+    frontend: str = "auto",
+) -> Traced:
+    """Trace ``model`` (usually on the meta device): fx first, torch.export when fx fails and ``frontend="auto"``."""
+    if frontend not in FRONTENDS:
+        raise InputSpecError(f"unknown frontend '{frontend}'; use one of: {', '.join(FRONTENDS)}.")
+    if frontend == "export":
+        return Traced(export_model(model, specs, name=name), "export")
+    try:
+        return Traced(_fx_trace(model, name, leaf_types), "fx")
+    except TraceError as fx_error:
+        if frontend == "fx" or not specs:
+            raise
+        try:
+            return Traced(export_model(model, specs, name=name), "export")
+        except TraceError as export_error:
+            raise TraceError(f"{fx_error} Then {export_error}") from export_error
+
+
+def _fx_trace(model: nn.Module, name: str, leaf_types: Sequence[type]) -> fx.GraphModule:
     tracer = _Tracer(leaf_types)
     if tracer.is_leaf_module(model, ""):
         return _single_node_graph(model)

@@ -2,7 +2,10 @@
 the saved activation bytes that fxmem.measure records in a real CPU run, at two or three batch
 sizes, in total and per fx node.
 
-Profiles (choose with the environment variable FXMEM_FUZZ_PROFILE):
+The examples are shared out over the grammar's features (one test per feature, each model holding
+that layer or input kind, plus 'free' models), so that even a short run covers every layer.
+
+Profiles (choose with the environment variable FXMEM_FUZZ_PROFILE); counts are totals:
 
 - ``fuzz-ci`` (default): 200 examples, derandomized, so every CI run checks the same models;
 - ``fuzz-dev``: 50 random examples, failures saved to the example database and replayed first;
@@ -15,12 +18,17 @@ the shrunk model, step by step; turn it into a test in test_fuzz_regressions.py.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
-from fuzz_grammar import FuzzCase, check_case, fuzz_cases
 from hypothesis import HealthCheck, given, settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fuzz_grammar import FEATURES, FuzzCase, check_case, fuzz_cases  # noqa: E402
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 settings.register_profile("fuzz-ci", max_examples=200, deadline=None, derandomize=True, database=None,
@@ -30,9 +38,10 @@ settings.register_profile("fuzz-nightly", max_examples=2000, deadline=None, supp
 
 
 def fuzz_settings(examples: int | None) -> settings:
-    """The selected profile, with ``--fuzz-examples`` as its example count when given."""
+    """The selected profile, its example count (or ``--fuzz-examples``) shared out over the features."""
     profile = settings.get_profile(os.environ.get("FXMEM_FUZZ_PROFILE", "fuzz-ci"))
-    return settings(profile, max_examples=examples) if examples else profile
+    total = examples or profile.max_examples
+    return settings(profile, max_examples=max(1, -(-total // len(FEATURES))))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,12 +53,13 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def test_analyze_matches_measure(pytestconfig: pytest.Config) -> None:
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_analyze_matches_measure(feature: str, pytestconfig: pytest.Config) -> None:
     tried = 0
 
     # Built here, not at import, so that --fuzz-examples (known only once pytest is configured) sets the count.
     @fuzz_settings(pytestconfig.getoption("--fuzz-examples"))
-    @given(case=fuzz_cases())
+    @given(case=fuzz_cases(feature=feature))
     def analyze_matches_measure(case: FuzzCase) -> None:
         nonlocal tried
         tried += 1
