@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 CASES = {
     # name: (layers, dim, heads, vocab, context)
@@ -65,13 +66,17 @@ def _run(name: str, what: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _cli(name: str) -> tuple[float, int]:
-    """Wall time and peak RSS of the whole command a user types, imports included."""
-    import resource
-
+def _cli(*args: str) -> tuple[float, int]:
+    """Wall time and peak RSS of the whole command a user types, imports included (GNU time's report)."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fxmem", "analyze", f"zoo:{name}", "--batch", str(BATCH)], capture_output=True, check=True)
-    return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    out = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "fxmem", "analyze", *args], capture_output=True, text=True, check=True)
+    return time.perf_counter() - start, int(out.stderr.strip().splitlines()[-1]) * 1024
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
 
 
 def main(argv: list[str]) -> int:
@@ -88,8 +93,12 @@ def main(argv: list[str]) -> int:
         )
     print(f"(analysis at B={BATCH}, lm_cross_entropy loss; wall time excludes the ~3 s of `import torch`)")
     if "gpt-7b" in names:
-        wall, rss = _cli("gpt-7b")
+        wall, rss = _cli("zoo:gpt-7b", "--batch", str(BATCH))
         print(f"fxmem analyze zoo:gpt-7b --batch {BATCH}: {wall:.2f} s wall, {rss / 2**30:.2f} GB peak RSS (targets: 10 s, 1 GB)")
+    if _has_transformers():
+        llama = str(Path(__file__).parent / "configs" / "llama-3.1-8b.json")
+        wall, rss = _cli(f"hf:{llama}", "--seq-len", "4096", "--batch", "1")
+        print(f"fxmem analyze hf:<Llama-3.1-8B config> --seq-len 4096 --batch 1: {wall:.2f} s wall, {rss / 2**30:.2f} GB peak RSS (targets: 30 s, 1.5 GB)")
     return 0
 
 

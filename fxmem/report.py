@@ -152,7 +152,7 @@ def _summary(report: Report) -> str:
         ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at B={b}"],
         [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
         [f"Total at B={b}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
-        [f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)],
+        *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
         ["Floor at B=1", format_bytes(report.total_bytes(1)), "state + one sample"],
         ["State : activations", _ratio(s.total, report.total_bytes(b) - s.total), _reading(s.total, report.total_bytes(b) - s.total)],
     ]
