@@ -15,8 +15,10 @@ Note [Cleaning an exported graph for re-execution]
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Sequence
+import io
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from torch.fx.node import map_aggregate
 from fxmem.errors import TraceError
 from fxmem.inputs import InputSpec
 
-__all__ = ["export_model"]
+__all__ = ["export_model", "export_reason"]
 
 _EXAMPLE_BATCH = 4
 """Export-time batch size: any value above 1 (ShapeEnv treats 0 and 1 as special)."""
@@ -41,12 +43,19 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
     batch = torch.export.Dim("batch")
     try:
         dynamic = _dynamic_shapes(model, specs, batch)
-        program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
+            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
         raise _export_error(name, model, e) from e
     gm = program.module()
     _clean(gm)
     return gm  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def _muted() -> Iterator[None]:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _example(spec: InputSpec, device: torch.device) -> torch.Tensor:
@@ -84,11 +93,16 @@ def _clean(gm: fx.GraphModule) -> None:
 
 
 def _export_error(name: str, model: nn.Module, e: Exception) -> TraceError:
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    reason = " ".join(lines[:2])[:400] if lines else type(e).__name__
     return TraceError(
-        f"model '{name}' ({type(model).__name__}): torch.export could not trace it either: {type(e).__name__}: "
-        f"{reason.rstrip('.')}. If the model fixes the batch size (a guard on x.shape[0]), it cannot be analyzed "
-        "for every B; otherwise make the failing code traceable or keep that submodule opaque with --leaf and "
-        "--frontend fx."
+        f"model '{name}' ({type(model).__name__}): torch.export cannot trace it: {export_reason(e)}. If the model "
+        "fixes the batch size (a guard on x.shape[0]), it cannot be analyzed for every B; otherwise make the "
+        "failing code traceable (torch.where instead of a branch on values)."
     )
+
+
+def export_reason(e: BaseException) -> str:
+    """torch.export's own reason, shortened to its first sentence (its messages append graph dumps)."""
+    cause = e.__cause__ if isinstance(e, TraceError) and e.__cause__ is not None else e
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    first = next((line for line in lines if not line.startswith(("def ", "#", "File"))), type(cause).__name__)
+    return f"{type(cause).__name__}: {first[:240].rstrip('.')}"

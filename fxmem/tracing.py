@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxmem.errors import InputSpecError, TraceError
-from fxmem.exporting import export_model
+from fxmem.exporting import export_model, export_reason
 from fxmem.inputs import InputSpec
 
 __all__ = ["FRONTENDS", "Traced", "trace_model"]
@@ -73,7 +73,8 @@ def trace_model(
         try:
             return Traced(export_model(model, specs, name=name), "export")
         except TraceError as export_error:
-            raise TraceError(f"{fx_error} Then {export_error}") from export_error
+            reason = export_reason(export_error)
+            raise TraceError(f"{fx_error} torch.export cannot trace it either ({reason}).") from export_error
 
 
 def _fx_trace(model: nn.Module, name: str, leaf_types: Sequence[type]) -> fx.GraphModule:

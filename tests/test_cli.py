@@ -97,7 +97,7 @@ def test_analyze_reports_its_stages() -> None:
     stages: list[str] = []
     analyze(spec.model, spec.inputs, loss=spec.loss, progress=stages.append)
     assert stages == [
-        "tracing with torch.fx",
+        "tracing the model",
         "capturing saved tensors (symbolic pass, batch B)",
         "capturing saved tensors (concrete pass at B=1)",
         "counting model state",
