@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch._refs
 import torch.fx as fx
+from torch._C import DispatchKey
 from torch._guards import GuardSource, Source
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
@@ -227,6 +228,18 @@ constant_pad_nd), computed instead by torch's own SymInt-safe Python reference. 
 output of the padded size, so what autograd saves is unchanged."""
 
 
+def _eager_decomposes(func: Any) -> bool:
+    """True for an aten op that eager CPU runs as its C++ CompositeImplicitAutograd decomposition.
+
+    Not ``func._can_decompose()``: that also holds for ops with a kernel of their own and a Python
+    decomposition (upsample_nearest1d), which eager never uses and which can lay out its output
+    differently (see test_interpolate_keeps_the_cpu_kernel_layout in tests/test_fuzz_regressions.py).
+    """
+    return func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), DispatchKey.CompositeImplicitAutograd
+    )
+
+
 class _RuleMode(TorchDispatchMode):
     """Applies op rules: records the true size of storages whose fake kernels under-report them."""
 
@@ -241,12 +254,10 @@ class _RuleMode(TorchDispatchMode):
             rewritten = _SYMBOLIC_REWRITES[func](*args, **kwargs)
             if rewritten is not NotImplemented:
                 return rewritten
-        if func.namespace == "aten" and func._can_decompose():
+        if _eager_decomposes(func):
             # A Python mode receives some composite ops (aten.pad) whole; decomposing them here, with
             # the C++ decomposition eager uses, keeps SymInt sizes symbolic (as make_fx's mode does).
-            decomposed = func.decompose(*args, **kwargs)
-            if decomposed is not NotImplemented:
-                return decomposed
+            return func._op_dk(DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
         out = func(*args, **kwargs)
         rule = self.rules.get(str(func.overloadpacket))
         if rule is not None:
