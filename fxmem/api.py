@@ -10,9 +10,9 @@ from torch import fx, nn
 from fxmem.account import FIT_BATCHES, VERIFY_BATCH, account_bytes
 from fxmem.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
 from fxmem.errors import InputSpecError
-from fxmem.inputs import InputSpec, InputSpecs, parse_inputs
+from fxmem.inputs import InputSpec, InputSpecs, has_seq, parse_inputs
 from fxmem.losses import Loss, get_loss
-from fxmem.results import Accounting, Kind, Report
+from fxmem.results import Accounting, Capture, Kind, Report
 from fxmem.rules.ops import op_rules_for
 from fxmem.state import get_optimizer, state_bytes
 from fxmem.tracing import trace_model
@@ -32,13 +32,14 @@ def analyze(
     name: str | None = None,
     leaf_types: tuple[type, ...] = (),
     frontend: str = "auto",
+    seq_len: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
     >>> report = analyze(nn.Sequential(nn.Linear(8, 4), nn.ReLU()), ["B,8"])
     >>> report.activations   # Linear keeps its input (input batch, not counted); ReLU keeps its 4 outputs
-    ByteExpr(per_sample=16, fixed=0, higher=())
+    ByteExpr(per_sample=16, fixed=0)
 
     ``progress``, if given, is called with a short phrase as each stage starts ("tracing with torch.fx");
     the CLI shows these for stages that take long. The library itself never prints.
@@ -52,41 +53,69 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    accounting = _account(gm, specs, loss_fn, name, say)
+    seq = _seq_len(specs, seq_len)
+    accounting = _account(gm, specs, loss_fn, name, say, seq)
     say("counting model state")
     state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
-    evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name)
-    return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, evaluate)
+    evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq)
+    return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate)
 
 
 def _account(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, say: Callable[[str], None]
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, say: Callable[[str], None], seq: int | None
 ) -> Accounting:
-    """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B."""
-    run = lambda b: capture_saved(gm, specs, loss=loss, batch=b, rules=op_rules_for("cpu"), model=name)  # noqa: E731
+    """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B.
+
+    Concrete passes (B=1 included) run at the sequence length ``seq`` where an input has a symbolic S.
+    """
+    run = _pass(gm, specs, loss, name)
     try:
         say("capturing saved tensors (symbolic pass, batch B)")
-        symbolic = run(None)
+        symbolic = run(None, None)
     except (SymbolicUnsupported, BatchSpecialized) as e:
         batches = (1, *FIT_BATCHES, VERIFY_BATCH)
         say(f"capturing saved tensors (concrete passes at B={','.join(map(str, batches))})")
-        concrete = {b: run(b) for b in batches}
-        return account_bytes(None, concrete, note=f"concrete passes at B=1,2,3,5 ({e})")
+        concrete = {b: run(b, seq) for b in batches}
+        at_seq = f" at S={seq}" if seq is not None else ""
+        return account_bytes(None, concrete, note=f"concrete passes at B=1,2,3,5{at_seq} ({e})")
     say("capturing saved tensors (concrete pass at B=1)")
-    return account_bytes(symbolic, {1: run(1)})
+    return account_bytes(symbolic, {1: run(1, seq)})
+
+
+def _pass(gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str) -> Callable[[int | None, int | None], Capture]:
+    """One fake pass at (batch, seq); None makes that axis symbolic."""
+
+    def run(batch: int | None, seq: int | None) -> Capture:
+        return capture_saved(gm, specs, loss=loss, batch=batch, seq=seq, rules=op_rules_for("cpu"), model=name)
+
+    return run
+
+
+def _seq_len(specs: tuple[InputSpec, ...], seq_len: int | None) -> int | None:
+    """The length S is evaluated at, where an input has a symbolic sequence axis; None otherwise."""
+    if not has_seq(specs):
+        return None
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise InputSpecError(
+            f"inputs {', '.join(map(str, specs))} have a symbolic sequence axis S: give the length to evaluate "
+            f"at (--seq-len N, seq_len=N in the API), got {seq_len!r}."
+        )
+    return seq_len
 
 
 def _silent(_message: str) -> None:
     """The default progress callback: analyze() itself never prints."""
 
 
-def _concrete_evaluator(gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str):  # type: ignore[no-untyped-def]
+def _concrete_evaluator(
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, seq: int | None
+) -> Callable[[int], Mapping[str, int]]:
     """Exact bytes per node at any B by one more concrete fake pass (see Note [Concrete passes])."""
+    run = _pass(gm, specs, loss, name)
 
     def evaluate(batch: int) -> Mapping[str, int]:
-        capture = capture_saved(gm, specs, loss=loss, batch=batch, rules=op_rules_for("cpu"), model=name)
         out: dict[str, int] = {}
-        for s in capture.saved:
+        for s in run(batch, seq).saved:
             if s.kind == Kind.ACTIVATION:
                 out[s.node] = out.get(s.node, 0) + s.nbytes.at(batch)
         return out

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxmem.errors import CaptureError, FxmemError, InputSpecError
-from fxmem.inputs import InputSpec, dtype_name, make_tensor
+from fxmem.inputs import InputSpec, dtype_name, has_seq, make_tensor
 from fxmem.losses import Loss
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
 from fxmem.symbolic import ByteExpr, label_dim, to_byte_expr
@@ -43,6 +43,8 @@ __all__ = ["BatchSpecialized", "OpRule", "SymbolicUnsupported", "capture_saved",
 
 _BATCH_HINT = 8
 """The value ShapeEnv assumes for B when a kernel asks; any value above 1 avoids 0/1 specialization."""
+_SEQ_HINT = 24
+"""The same for S; unlike B's, so that no comparison of B with S is decided by equal hints."""
 
 LOSS_NODE = "loss"
 
@@ -60,8 +62,10 @@ class BatchSpecialized(Exception):
 
 
 @dataclass(frozen=True)
-class _BatchSource(Source):
-    """The ShapeEnv source of the batch symbol (a constant name; no guards are ever generated)."""
+class _SymbolSource(Source):
+    """The ShapeEnv source of the batch or sequence symbol (a constant name; no guards are ever generated)."""
+
+    symbol: str = "B"
 
     @property
     def guard_source(self) -> GuardSource:
@@ -69,7 +73,7 @@ class _BatchSource(Source):
 
     @property
     def _name_template(self) -> str:
-        return "B"
+        return self.symbol
 
 
 @dataclass
@@ -88,6 +92,7 @@ class _Book:
 
     kinds: dict[StorageWeakRef, Kind]
     batch_symbol: Any = None
+    seq_symbol: Any = None
     current: str = ""
     owner: dict[StorageWeakRef, str] = field(default_factory=dict)
     saved: dict[StorageWeakRef, _Entry] = field(default_factory=dict)
@@ -104,7 +109,7 @@ class _Book:
         self.alive.append(t)
 
     def input_bytes(self) -> ByteExpr:
-        return ByteExpr.total(to_byte_expr(n, self.batch_symbol) for n in self.inputs.values())
+        return ByteExpr.total(to_byte_expr(n, self.batch_symbol, self.seq_symbol) for n in self.inputs.values())
 
     def claim(self, value: object, node: str) -> None:
         """Charge every storage first seen in ``value`` to ``node``. See Note [Counting storages once]."""
@@ -125,14 +130,16 @@ class _Book:
             return t
         owner = self.owner.setdefault(key, self.current)
         nbytes = self.overrides.get(key, t.untyped_storage().nbytes())
-        shape = tuple(label_dim(d, self.batch_symbol) for d in t.shape)
+        shape = tuple(label_dim(d, self.batch_symbol, self.seq_symbol) for d in t.shape)
         kind = self.kinds.get(key, Kind.ACTIVATION)
         self.saved[key] = _Entry(owner, [self.current], shape, dtype_name(t.dtype), nbytes, kind)
         return t
 
     def saved_tensors(self) -> tuple[SavedTensor, ...]:
         return tuple(
-            SavedTensor(i, e.node, tuple(e.saved_by), e.shape, e.dtype, to_byte_expr(e.nbytes, self.batch_symbol), e.kind)
+            SavedTensor(
+                i, e.node, tuple(e.saved_by), e.shape, e.dtype, to_byte_expr(e.nbytes, self.batch_symbol, self.seq_symbol), e.kind
+            )
             for i, e in enumerate(self.saved.values())
         )
 
@@ -165,7 +172,7 @@ class _Recorder(fx.Interpreter):
             raise _node_error(n, self, e) from e
         if n.op != "output":
             self.book.claim(out, n.name)
-            self.infos.append(_node_info(n, out, self.book.batch_symbol))
+            self.infos.append(_node_info(n, out, self.book))
         return out
 
 
@@ -188,9 +195,10 @@ def _target_name(n: fx.Node, gm: fx.GraphModule) -> str:
     return str(n.target)
 
 
-def _node_info(n: fx.Node, out: object, batch_symbol: Any) -> NodeInfo:
+def _node_info(n: fx.Node, out: object, book: _Book) -> NodeInfo:
     gm = n.graph.owning_module
-    shape = tuple(label_dim(d, batch_symbol) for d in out.shape) if isinstance(out, torch.Tensor) else None
+    label = lambda d: label_dim(d, book.batch_symbol, book.seq_symbol)  # noqa: E731
+    shape = tuple(label(d) for d in out.shape) if isinstance(out, torch.Tensor) else None
     return NodeInfo(n.name, n.op, _target_name(n, gm) if gm is not None else str(n.target), node_fqn(n), shape)
 
 
@@ -198,7 +206,7 @@ _SYMBOLIC_MESSAGES = ("symbolic sizes", "symbolic shape", "SymIntArrayRef expect
 
 
 def _node_error(n: fx.Node, rec: _Recorder, e: Exception) -> Exception:
-    if rec.book.batch_symbol is not None:
+    if rec.book.batch_symbol is not None or rec.book.seq_symbol is not None:
         return SymbolicUnsupported(f"{n.name}: {e}")
     args = [rec.env[a] for a in n.all_input_nodes if a in rec.env]
     shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
@@ -234,9 +242,14 @@ def _eager_decomposes(func: Any) -> bool:
     Not ``func._can_decompose()``: that also holds for ops with a kernel of their own and a Python
     decomposition (upsample_nearest1d), which eager never uses and which can lay out its output
     differently (see test_interpolate_keeps_the_cpu_kernel_layout in tests/test_fuzz_regressions.py).
+    Ops the dispatcher has no kernel for at all (aten.size.default, met in interpolate's symbolic
+    pass) are run as they are.
     """
-    return func.namespace == "aten" and torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(), DispatchKey.CompositeImplicitAutograd
+    name = func.name()
+    return (
+        func.namespace == "aten"
+        and torch._C._dispatch_has_kernel(name)
+        and torch._C._dispatch_has_kernel_for_dispatch_key(name, DispatchKey.CompositeImplicitAutograd)
     )
 
 
@@ -328,9 +341,10 @@ def _state_kinds(gm: fx.GraphModule) -> dict[StorageWeakRef, Kind]:
     return kinds
 
 
-def _new_batch_symbol(shape_env: ShapeEnv) -> torch.SymInt:
-    sym = shape_env.create_symbol(_BATCH_HINT, _BatchSource(), dynamic_dim=DimDynamic.DYNAMIC)
-    return shape_env.create_symintnode(sym, hint=_BATCH_HINT, source=_BatchSource())
+def _new_symbol(shape_env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
+    source = _SymbolSource(name)
+    sym = shape_env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+    return shape_env.create_symintnode(sym, hint=hint, source=source)
 
 
 def _run(gm: fx.GraphModule, book: _Book, values: list[Any], loss: Loss, model: str) -> list[NodeInfo]:
@@ -360,24 +374,28 @@ def capture_saved(
     batch: int | None,
     rules: Mapping[str, OpRule],
     model: str = "model",
+    seq: int | None = None,
 ) -> Capture:
     """Run ``gm`` on fake tensors at a concrete ``batch``, or with a symbolic B when ``batch`` is None.
 
-    Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
+    Inputs with a sequence axis S get ``seq``, or one symbolic S when ``seq`` is None.
+    Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B (and S).
     """
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     with mode:
-        b = _new_batch_symbol(shape_env) if batch is None else batch
-        inputs = [make_tensor(s, b) for s in specs]
-    symbol = b.node.expr if isinstance(b, torch.SymInt) else None
+        b = _new_symbol(shape_env, "B", _BATCH_HINT) if batch is None else batch
+        s = _new_symbol(shape_env, "S", _SEQ_HINT) if seq is None and has_seq(specs) else seq
+        inputs = [make_tensor(spec, b, s) for spec in specs]
+    symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
     with _swapped_state(gm, lambda t: _under(mode, _fake_like, t)):
-        book = _new_book(gm, inputs, symbol)
+        book = _new_book(gm, inputs, symbols.get("B"), symbols.get("S"))
         values = _placeholder_values(gm, specs, inputs, model)
         with mode, _RuleMode(rules, book):
             infos = _run(gm, book, values, loss, model)
-    if symbol is not None and shape_env.replacements.get(symbol) is not None:
-        raise BatchSpecialized(f"the model fixed B to {shape_env.replacements[symbol]}")
+    for name, symbol in symbols.items():
+        if shape_env.replacements.get(symbol) is not None:
+            raise BatchSpecialized(f"the model fixed {name} to {shape_env.replacements[symbol]}")
     unsupported = tuple(Unsupported(node, _fqn_of(infos, node), why) for node, why in book.unsupported)
     try:
         return Capture(batch, tuple(infos), book.saved_tensors(), book.input_bytes(), unsupported)
@@ -394,16 +412,18 @@ def _fqn_of(infos: Sequence[NodeInfo], node: str) -> str:
     return next((i.fqn for i in infos if i.name == node), "")
 
 
-def record_real(gm: fx.GraphModule, specs: Sequence[InputSpec], *, loss: Loss, batch: int, model: str = "model") -> Capture:
+def record_real(
+    gm: fx.GraphModule, specs: Sequence[InputSpec], *, loss: Loss, batch: int, model: str = "model", seq: int | None = None
+) -> Capture:
     """The same recorder on real CPU tensors: the measurement. ``gm`` must hold real CPU weights."""
-    inputs = [make_tensor(s, batch) for s in specs]
-    book = _new_book(gm, inputs, None)
+    inputs = [make_tensor(s, batch, seq) for s in specs]
+    book = _new_book(gm, inputs, None, None)
     infos = _run(gm, book, _placeholder_values(gm, specs, inputs, model), loss, model)
     return Capture(batch, tuple(infos), book.saved_tensors(), book.input_bytes(), ())
 
 
-def _new_book(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], symbol: Any) -> _Book:
-    book = _Book(kinds=_state_kinds(gm), batch_symbol=symbol)
+def _new_book(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], batch_symbol: Any, seq_symbol: Any) -> _Book:
+    book = _Book(kinds=_state_kinds(gm), batch_symbol=batch_symbol, seq_symbol=seq_symbol)
     for t in inputs:
         book.add_input(t)
     return book

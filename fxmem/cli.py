@@ -87,7 +87,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", choices=list(LOSSES), help="the loss of the step (default: the model's own, else sum)")
     p.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
     p.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
-    p.add_argument("--seq-len", type=_positive_int, metavar="S", help="hf: specs: the sequence length of the default inputs (default: the config's context, at most 2048)")
+    p.add_argument("--seq-len", type=_positive_int, metavar="S", help="the length a symbolic sequence axis S (--input B,S:int64) is evaluated at; for hf: specs also the length of the default inputs (default: the config's context, at most 2048)")
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
 
 
@@ -198,7 +198,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
-        progress=say,
+        seq_len=args.seq_len, progress=say,
     )  # fmt: skip
     return render(report, args.format, depth=args.depth, top=args.top)
 
@@ -208,11 +208,12 @@ def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     leaves = load_leaf_types(args.leaf, spec.model)
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec, leaf_types=leaves,
-        frontend=args.frontend, progress=say,
+        frontend=args.frontend, seq_len=args.seq_len, progress=say,
     )  # fmt: skip
     say(f"running the model for real on the CPU at B={args.batch}")
     measured = measure(
-        materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, leaf_types=leaves, frontend=report.frontend
+        materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, leaf_types=leaves, frontend=report.frontend,
+        seq_len=report.seq_len,
     )
     return _comparison(report, measured.nodes, measured.total, args.batch)
 

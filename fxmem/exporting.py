@@ -33,6 +33,8 @@ __all__ = ["export_model", "export_reason"]
 
 _EXAMPLE_BATCH = 4
 """Export-time batch size: any value above 1 (ShapeEnv treats 0 and 1 as special)."""
+_EXAMPLE_SEQ = 16
+"""Export-time length of a symbolic sequence axis S (unlike the batch's, so no equality is assumed)."""
 
 
 def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "model") -> fx.GraphModule:
@@ -40,9 +42,9 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     args = tuple(_example(s, device) for s in specs if s.name is None)
     kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
-    batch = torch.export.Dim("batch")
+    dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
     try:
-        dynamic = _dynamic_shapes(model, specs, batch)
+        dynamic = _dynamic_shapes(model, specs, dims)
         with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
@@ -59,24 +61,28 @@ def _muted() -> Iterator[None]:
 
 
 def _example(spec: InputSpec, device: torch.device) -> torch.Tensor:
-    return torch.zeros(spec.shape_at(_EXAMPLE_BATCH), dtype=spec.dtype, device=device)
+    return torch.zeros(spec.shape_at(_EXAMPLE_BATCH, _EXAMPLE_SEQ), dtype=spec.dtype, device=device)
 
 
-def _dynamic_shapes(model: nn.Module, specs: Sequence[InputSpec], batch: Any) -> dict[str, Any]:
-    """{forward() parameter: {batch axis: Dim}}; inputs caught by ``**kwargs`` nest under its name."""
+def _dynamic_shapes(model: nn.Module, specs: Sequence[InputSpec], dims: dict[str, Any]) -> dict[str, Any]:
+    """{forward() parameter: {axis: Dim}} for the B and S axes; inputs caught by ``**kwargs`` nest under its name."""
     params = inspect.signature(model.forward).parameters
     positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     var_kw = next((p.name for p in params.values() if p.kind == p.VAR_KEYWORD), None)
     out: dict[str, Any] = {}
     for i, spec in enumerate(s for s in specs if s.name is None):
-        out[positional[i].name] = {spec.dims.index("B"): batch}
+        out[positional[i].name] = _axes(spec, dims)
     for spec in (s for s in specs if s.name is not None):
-        axes = {spec.dims.index("B"): batch}
+        axes = _axes(spec, dims)
         if spec.name in params or var_kw is None:
             out[spec.name] = axes  # type: ignore[index]
         else:
             out.setdefault(var_kw, {})[spec.name] = axes
     return out
+
+
+def _axes(spec: InputSpec, dims: dict[str, Any]) -> dict[int, Any]:
+    return {i: dims[d] for i, d in enumerate(spec.dims) if isinstance(d, str)}
 
 
 def _clean(gm: fx.GraphModule) -> None:

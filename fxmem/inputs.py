@@ -15,8 +15,10 @@ import torch
 
 from fxmem.errors import InputSpecError
 
-__all__ = ["BATCH", "InputSpec", "InputSpecs", "format_dims", "make_tensor", "parse_inputs", "parse_size"]
+__all__ = ["BATCH", "SEQ", "InputSpec", "has_seq", "InputSpecs", "format_dims", "make_tensor", "parse_inputs", "parse_size"]
 
+SEQ = "S"
+"""The symbol of a sequence axis whose length stays symbolic (attention then brings B*S^2 terms)."""
 BATCH = "B"
 """The symbol that marks the batch axis in an input shape."""
 
@@ -43,9 +45,11 @@ class InputSpec:
     dims: tuple[int | str, ...]
     dtype: torch.dtype = torch.float32
 
-    def shape_at(self, batch: object) -> tuple[object, ...]:
-        """The shape with B replaced by ``batch`` (an int or a SymInt)."""
-        return tuple(batch if d == BATCH else d for d in self.dims)
+    def shape_at(self, batch: object, seq: object = None) -> tuple[object, ...]:
+        """The shape with B replaced by ``batch`` and S by ``seq`` (ints or SymInts)."""
+        if seq is None and SEQ in self.dims:
+            raise InputSpecError(f"input '{self}' has a symbolic sequence axis S: give a sequence length (--seq-len).")
+        return tuple(batch if d == BATCH else seq if d == SEQ else d for d in self.dims)
 
     def __str__(self) -> str:
         prefix = f"{self.name}=" if self.name else ""
@@ -139,10 +143,10 @@ def _parse_dim(token: str, text: str) -> int | str:
 
 def _check_dims(dims: tuple[int | str, ...], text: str) -> tuple[int | str, ...]:
     for d in dims:
-        if isinstance(d, str) and d != BATCH:
+        if isinstance(d, str) and d not in (BATCH, SEQ):
             raise InputSpecError(
-                f"input '{text}': unknown symbol '{d}'; the batch axis is written 'B' and every other "
-                "dimension must be a positive integer."
+                f"input '{text}': unknown symbol '{d}'; the batch axis is written 'B', a sequence axis whose "
+                "length should stay symbolic 'S', and every other dimension must be a positive integer."
             )
         if isinstance(d, int) and d <= 0:
             raise InputSpecError(
@@ -158,12 +162,17 @@ def _check_dims(dims: tuple[int | str, ...], text: str) -> tuple[int | str, ...]
     return dims
 
 
-def make_tensor(spec: InputSpec, batch: object) -> torch.Tensor:
+def has_seq(specs: Sequence[InputSpec]) -> bool:
+    """True when some input has a symbolic sequence axis S."""
+    return any(SEQ in s.dims for s in specs)
+
+
+def make_tensor(spec: InputSpec, batch: object, seq: object = None) -> torch.Tensor:
     """A tensor for ``spec`` at ``batch`` (fake under FakeTensorMode): random floats, integer zeros.
 
     Integer inputs are zeros so that token ids and class indices are valid for any vocabulary.
     """
-    shape = spec.shape_at(batch)
+    shape = spec.shape_at(batch, seq)
     if spec.dtype.is_floating_point or spec.dtype.is_complex:
         return torch.randn(shape, dtype=spec.dtype)
     return torch.zeros(shape, dtype=spec.dtype)

@@ -52,6 +52,7 @@ def measure(
     seed: int = 0,
     leaf_types: tuple[type, ...] = (),
     frontend: str = "auto",
+    seq_len: int | None = None,
 ) -> Measurement:
     """Run the model for real on the CPU at ``batch`` and measure the activation bytes saved for backward.
 
@@ -63,9 +64,9 @@ def measure(
     specs, loss_fn = parse_inputs(inputs), get_loss(loss)
     torch.manual_seed(seed)
     real = materialize(model).train()
-    total = _eager_total(real, specs, loss_fn, batch)
+    total = _eager_total(real, specs, loss_fn, batch, seq_len)
     traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
-    capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch)
+    capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch, seq=seq_len)
     nodes: dict[str, int] = defaultdict(int)
     for s in capture.saved:
         if s.kind == Kind.ACTIVATION:
@@ -113,9 +114,9 @@ def _retie(model: nn.Module, slots: dict[int, list[tuple[nn.Module, str]]]) -> N
             module._parameters[name] = first_module._parameters[first_name]
 
 
-def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int) -> int:
+def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int, seq: int | None = None) -> int:
     """Saved activation bytes of ``model(...)`` plus the loss, without fx: the independent total."""
-    tensors = [make_tensor(s, batch) for s in specs]
+    tensors = [make_tensor(s, batch, seq) for s in specs]
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     excluded = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(), *tensors]}

@@ -49,7 +49,9 @@ def format_count(n: int) -> str:
 
 
 def format_expr(expr: ByteExpr) -> str:
-    """'1.50 KiB·B + 8 B', with higher powers of B first when there are any."""
+    """'1.50 KiB·B + 8 B', with higher powers of B (and terms in S) first when there are any."""
+    if expr.seq_terms:
+        return f"{expr.polynomial()} B"
     parts = [f"{format_bytes(c)}·B^{k + 2}" for k, c in reversed(list(enumerate(expr.higher))) if c]
     parts += [f"{format_bytes(expr.per_sample)}·B"] if expr.per_sample else []
     parts += [format_bytes(expr.fixed)] if expr.fixed or not parts else []
@@ -102,16 +104,17 @@ def _share(part: int, total: int) -> str:
 
 def _table_rows(report: Report, depth: int | None, top: int | None, raw: bool) -> tuple[list[str], list[list[Any]]]:
     rows, at, total = _rows(report, depth, top)
-    b = report.batch
-    headers = ["Layer", "Op", "Output shape", "Per sample", "Constant", f"At B={b}", "Share"]
+    at_label = f"At B={report.batch}" + (f", S={report.seq_len}" if report.seq_len is not None else "")
     fmt = (lambda n: n) if raw else format_bytes
+    seq = report.seq_len is not None
+    headers = ["Layer", "Op", "Output shape", *(["Bytes (B, S)"] if seq else ["Per sample", "Constant"]), at_label, "Share"]
+    bytes_of = (lambda e: [e.polynomial()]) if seq else (lambda e: [fmt(e.per_sample), fmt(e.fixed)])  # noqa: E731
     body = [
-        [r.fqn, "+".join(r.ops)[:40], format_dims(r.output_shape) if r.output_shape else "", fmt(r.saved.per_sample), fmt(r.saved.fixed), fmt(a), _share(a, total)]
+        [r.fqn, "+".join(r.ops)[:40], format_dims(r.output_shape) if r.output_shape else "", *bytes_of(r.saved), fmt(a), _share(a, total)]
         for r, a in zip(rows, at)
     ]
     if top is None:
-        expr = report.activations
-        body.append(["Total activations", "", "", fmt(expr.per_sample), fmt(expr.fixed), fmt(total), _share(total, total)])
+        body.append(["Total activations", "", "", *bytes_of(report.activations), fmt(total), _share(total, total)])
     return headers, body
 
 
@@ -146,12 +149,13 @@ def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
 
 def _summary(report: Report) -> str:
     b, s = report.batch, report.state
+    at = f"B={b}" + (f", S={report.seq_len}" if report.seq_len is not None else "")
     half = max(1, b // 2)
     lines = [
-        ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at B={b}"],
-        ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at B={b}"],
+        ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at {at}"],
+        ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at {at}"],
         [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
-        [f"Total at B={b}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
+        [f"Total at {at}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
         *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
         ["Floor at B=1", format_bytes(report.total_bytes(1)), "state + one sample"],
         ["State : activations", _ratio(s.total, report.total_bytes(b) - s.total), _reading(s.total, report.total_bytes(b) - s.total)],
@@ -211,7 +215,7 @@ def _saved_tensor_dict(t: Any, batch: int) -> dict[str, Any]:
 
 def _expr_dict(e: ByteExpr) -> dict[str, Any]:
     out: dict[str, Any] = {"per_sample": e.per_sample, "constant": e.fixed}
-    if e.higher:
+    if e.higher or e.seq_terms:
         out["polynomial"] = e.polynomial()
     return out
 
@@ -241,6 +245,7 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
             for r, a in zip(group_layers(report, depth), _layer_bytes(report, group_layers(report, depth), b))
         ],
         "batch_one_special": list(report.batch_one_special),
+        "seq_len": report.seq_len,
         "at_batch": {"batch": b, "activations": report.activation_bytes(b), "inputs": report.input_bytes(b), "total": report.total_bytes(b)},
         "floor": report.total_bytes(1),
         "device_memory": report.device_memory,

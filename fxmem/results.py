@@ -119,8 +119,9 @@ class NodeRecord:
     def fqn(self) -> str:
         return self.info.fqn
 
-    def at(self, batch: int) -> int:
-        return self.exact.get(batch, self.saved.at(batch))
+    def at(self, batch: int, seq: int | None = None) -> int:
+        """Bytes at ``batch``; ``exact`` values were taken at the report's sequence length."""
+        return self.exact.get(batch, self.saved.at(batch, seq))
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,8 @@ class LayerRow:
     exact: Mapping[int, int]
     nodes: tuple[str, ...]
 
-    def at(self, batch: int) -> int:
-        return self.exact.get(batch, self.saved.at(batch))
+    def at(self, batch: int, seq: int | None = None) -> int:
+        return self.exact.get(batch, self.saved.at(batch, seq))
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,8 @@ class Report:
     device_memory: int | None = None
     frontend: str = "fx"
     """How the graph was made: 'fx' (torch.fx.symbolic_trace) or 'export' (torch.export)."""
+    seq_len: int | None = None
+    """Where an input has a symbolic sequence axis S: the length every figure is evaluated at."""
     evaluate: Callable[[int], Mapping[str, int]] | None = field(default=None, compare=False, repr=False)
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -214,13 +217,13 @@ class Report:
     @property
     def batch_one_special(self) -> tuple[str, ...]:
         """Nodes whose exact bytes at B=1 differ from their line (see Note [Why B=1 is measured on its own])."""
-        return tuple(n.name for n in self.nodes if 1 in n.exact and n.exact[1] != n.saved.at(1))
+        return tuple(n.name for n in self.nodes if 1 in n.exact and n.exact[1] != n.saved.at(1, self.seq_len))
 
     def node_bytes(self, batch: int) -> Mapping[str, int]:
         """Exact activation bytes per node at ``batch``."""
         _check_batch(batch)
         if all(batch in n.exact for n in self.nodes) or self.accounting.linear or self.evaluate is None:
-            return {n.name: n.at(batch) for n in self.nodes}
+            return {n.name: n.at(batch, self.seq_len) for n in self.nodes}
         if batch not in self._cache:
             self._cache[batch] = self.evaluate(batch)
         return self._cache[batch]
@@ -230,7 +233,7 @@ class Report:
 
     def input_bytes(self, batch: int) -> int:
         _check_batch(batch)
-        return self.accounting.inputs.at(batch)
+        return self.accounting.inputs.at(batch, self.seq_len)
 
     def total_bytes(self, batch: int) -> int:
         """Model state + activations + the input batch, at ``batch``. Temporaries and the backward peak are not in it."""
@@ -242,7 +245,7 @@ class Report:
 
     def verdict(self, budget_bytes: int) -> Verdict:
         floor = self.total_bytes(1)
-        grows = (self.activations + self.accounting.inputs).per_sample > 0
+        grows = self.total_bytes(2) > self.total_bytes(1)
         if floor > budget_bytes:
             return Verdict(budget_bytes, None, floor)
         if not grows:

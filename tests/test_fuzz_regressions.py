@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fxmem
@@ -76,6 +77,30 @@ def test_embedding_bag_buffers(model: nn.Module, dtype: torch.dtype, per_sample:
     report = assert_matches(model, ["B,5:int64"])
     for b in (1, 2, 3, 5):
         assert report.activation_bytes(b) == per_sample * b + fixed
+
+
+# --- Fake kernels must lay out outputs as the CPU kernels do ---------------------------------------
+
+
+class SequenceFirstUpsample(nn.Module):
+    """An (S, B, E) input made batch-first (a transposed view), upsampled, then projected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(2, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.interpolate(x.transpose(0, 1), scale_factor=2, mode="nearest"))
+
+
+def test_interpolate_keeps_the_cpu_kernel_layout() -> None:
+    # The CPU kernel of upsample_nearest1d returns a contiguous (B, 2, 2) float32 output, 16B bytes,
+    # and the Linear saves it through a view: 16B charged to interpolate. The capture once ran the op's
+    # Python decomposition instead, whose output keeps the input's transposed layout, so the Linear's
+    # reshape had to copy it, and the 16B moved to the Linear (see _eager_decomposes in capture.py).
+    report = assert_matches(SequenceFirstUpsample(), ["2,B,1"])
+    for b in (1, 2, 3, 5):
+        assert {k: v for k, v in report.node_bytes(b).items() if v} == {"interpolate": 16 * b}
 
 
 # --- Known limitations -----------------------------------------------------------------------------
