@@ -33,6 +33,7 @@ def analyze(
     leaf_types: tuple[type, ...] = (),
     frontend: str = "auto",
     seq_len: int | None = None,
+    strict: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
@@ -54,7 +55,7 @@ def analyze(
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
     seq = _seq_len(specs, seq_len)
-    accounting = _account(gm, specs, loss_fn, name, say, seq)
+    accounting = _account(gm, specs, loss_fn, name, say, seq, strict)
     say("counting model state")
     state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq)
@@ -62,13 +63,19 @@ def analyze(
 
 
 def _account(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, say: Callable[[str], None], seq: int | None
+    gm: fx.GraphModule,
+    specs: tuple[InputSpec, ...],
+    loss: Loss,
+    name: str,
+    say: Callable[[str], None],
+    seq: int | None,
+    strict: bool,
 ) -> Accounting:
     """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B.
 
     Concrete passes (B=1 included) run at the sequence length ``seq`` where an input has a symbolic S.
     """
-    run = _pass(gm, specs, loss, name)
+    run = _pass(gm, specs, loss, name, strict)
     try:
         say("capturing saved tensors (symbolic pass, batch B)")
         symbolic = run(None, None)
@@ -82,11 +89,14 @@ def _account(
     return account_bytes(symbolic, {1: run(1, seq)})
 
 
-def _pass(gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str) -> Callable[[int | None, int | None], Capture]:
+def _pass(
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, strict: bool = False
+) -> Callable[[int | None, int | None], Capture]:
     """One fake pass at (batch, seq); None makes that axis symbolic."""
 
     def run(batch: int | None, seq: int | None) -> Capture:
-        return capture_saved(gm, specs, loss=loss, batch=batch, seq=seq, rules=op_rules_for("cpu"), model=name)
+        rules = op_rules_for("cpu")
+        return capture_saved(gm, specs, loss=loss, batch=batch, seq=seq, rules=rules, model=name, strict=strict)
 
     return run
 

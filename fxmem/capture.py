@@ -37,7 +37,7 @@ from fxmem.errors import CaptureError, FxmemError, InputSpecError
 from fxmem.inputs import InputSpec, dtype_name, has_seq, make_tensor
 from fxmem.losses import Loss
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
-from fxmem.symbolic import ByteExpr, label_dim, to_byte_expr
+from fxmem.symbolic import ByteExpr, DataDependentBytes, label_dim, to_byte_expr
 
 __all__ = ["BatchSpecialized", "OpRule", "SymbolicUnsupported", "capture_saved", "node_fqn", "record_real"]
 
@@ -93,6 +93,7 @@ class _Book:
     kinds: dict[StorageWeakRef, Kind]
     batch_symbol: Any = None
     seq_symbol: Any = None
+    strict: bool = False
     current: str = ""
     owner: dict[StorageWeakRef, str] = field(default_factory=dict)
     saved: dict[StorageWeakRef, _Entry] = field(default_factory=dict)
@@ -137,11 +138,22 @@ class _Book:
 
     def saved_tensors(self) -> tuple[SavedTensor, ...]:
         return tuple(
-            SavedTensor(
-                i, e.node, tuple(e.saved_by), e.shape, e.dtype, to_byte_expr(e.nbytes, self.batch_symbol, self.seq_symbol), e.kind
-            )
+            SavedTensor(i, e.node, tuple(e.saved_by), e.shape, e.dtype, self._bytes(e), e.kind)
             for i, e in enumerate(self.saved.values())
         )
+
+    def _bytes(self, entry: _Entry) -> ByteExpr:
+        """A storage's bytes in B and S; a data-dependent size is counted as 0 B and reported unsupported."""
+        try:
+            return to_byte_expr(entry.nbytes, self.batch_symbol, self.seq_symbol)
+        except DataDependentBytes as e:
+            if entry.kind != Kind.ACTIVATION:
+                return ByteExpr()
+            reason = f"saved a {entry.dtype} tensor of {e}"
+            if self.strict:
+                raise CaptureError(f"node '{entry.node}' {reason}; without --strict it is counted as 0 B and reported.") from e
+            self.unsupported.append((entry.node, reason))
+            return ByteExpr()
 
 
 def _has_storage(t: torch.Tensor) -> bool:
@@ -375,6 +387,7 @@ def capture_saved(
     rules: Mapping[str, OpRule],
     model: str = "model",
     seq: int | None = None,
+    strict: bool = False,
 ) -> Capture:
     """Run ``gm`` on fake tensors at a concrete ``batch``, or with a symbolic B when ``batch`` is None.
 
@@ -390,17 +403,19 @@ def capture_saved(
     symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
     with _swapped_state(gm, lambda t: _under(mode, _fake_like, t)):
         book = _new_book(gm, inputs, symbols.get("B"), symbols.get("S"))
+        book.strict = strict
         values = _placeholder_values(gm, specs, inputs, model)
         with mode, _RuleMode(rules, book):
             infos = _run(gm, book, values, loss, model)
     for name, symbol in symbols.items():
         if shape_env.replacements.get(symbol) is not None:
             raise BatchSpecialized(f"the model fixed {name} to {shape_env.replacements[symbol]}")
-    unsupported = tuple(Unsupported(node, _fqn_of(infos, node), why) for node, why in book.unsupported)
     try:
-        return Capture(batch, tuple(infos), book.saved_tensors(), book.input_bytes(), unsupported)
+        saved = book.saved_tensors()
     except ValueError as e:  # bytes like floor(B/3): not a polynomial, so concrete passes take over
         raise SymbolicUnsupported(str(e)) from e
+    unsupported = tuple(Unsupported(node, _fqn_of(infos, node), why) for node, why in book.unsupported)
+    return Capture(batch, tuple(infos), saved, book.input_bytes(), unsupported)
 
 
 def _under(mode: FakeTensorMode, fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:

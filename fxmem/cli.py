@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--depth", type=_depth, help="group layers by module path truncated to this many components")
     a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
     a.add_argument("--format", choices=FORMATS, default="table")
+    a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
     m = sub.add_parser("measure", help="run one real forward on the CPU and print measured beside predicted, per layer",
                        description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
                        "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
@@ -198,7 +199,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
-        seq_len=args.seq_len, progress=say,
+        seq_len=args.seq_len, strict=args.strict, progress=say,
     )  # fmt: skip
     return render(report, args.format, depth=args.depth, top=args.top)
 

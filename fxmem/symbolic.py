@@ -17,7 +17,11 @@ import sympy
 
 from fxmem.errors import NonLinearBatchError
 
-__all__ = ["ByteExpr", "fit_linear", "label_dim", "to_byte_expr"]
+__all__ = ["ByteExpr", "DataDependentBytes", "fit_linear", "label_dim", "to_byte_expr"]
+
+
+class DataDependentBytes(ValueError):
+    """Bytes that depend on tensor values (a size from nonzero or a boolean mask): no pass can fix them."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def to_byte_expr(value: object, batch_symbol: sympy.Symbol | None, seq_symbol: s
     expr = _expr(value)
     gens = [s for s in (batch_symbol, seq_symbol) if s is not None and s in expr.free_symbols]
     if expr.free_symbols - set(gens):
-        raise ValueError(f"bytes depend on symbols other than B and S: {expr}")
+        raise DataDependentBytes(f"{expr} bytes, a size that depends on the data")
     if not gens:
         return ByteExpr(fixed=int(expr))
     try:

@@ -67,3 +67,32 @@ def test_lstm_workspace_is_exact_at_batches_no_pass_ran() -> None:
     report = analyze_on_meta(lstm, ["B,12,16"])
     assert report.accounting.method == "concrete" and not report.accounting.linear
     assert_matches_measurement(report, lstm, ["B,12,16"], "sum", batches=(7, 33))
+
+
+class _Masked(nn.Module):
+    """y[y > 0] has a size that depends on the data; multiplying it by itself saves it for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.lin(x))
+        z = y[y > 0]
+        return (z * z).sum() + y.sum()
+
+
+def test_data_dependent_sizes_are_listed_not_fatal() -> None:
+    report = analyze_on_meta(_Masked, ["B,8"])
+    # Known: relu keeps y ((B,8) floats, 32 B per sample) and the index keeps its bool mask (8 B per sample).
+    # Unknown: z's size is the number of positive entries; it is counted as 0 B and listed.
+    assert report.activations == fxmem.ByteExpr(per_sample=8 * FLOAT + 8)
+    assert [u.node for u in report.accounting.unsupported] == ["getitem"]
+    assert "Unsupported: node getitem" in str(report) and "depends on the data" in str(report)
+
+
+def test_strict_makes_data_dependent_sizes_an_error() -> None:
+    import pytest
+
+    with pytest.raises(fxmem.CaptureError, match="depends on the data"):
+        analyze_on_meta(_Masked, ["B,8"], strict=True)
