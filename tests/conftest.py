@@ -18,7 +18,8 @@ def pytest_addoption_fuzz(parser: pytest.Parser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="number of generated models tests/test_fuzz.py checks (default: the hypothesis profile's, 200 in CI)",
+        help="number of generated models tests/test_fuzz.py checks, shared out over the grammar's features, "
+        "at least one each (default: the hypothesis profile's, 200 in CI)",
     )
 
 
