@@ -66,7 +66,9 @@ def explore(examples: int, seed_value: int) -> tuple[int, list[Failure]]:
     tried = 0
 
     @seed(seed_value)
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=_QUIET, phases=[Phase.generate])
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=_QUIET, phases=[Phase.generate]
+    )
     @given(case=CASES)
     def prop(case: FuzzCase) -> None:
         nonlocal tried
@@ -89,8 +91,14 @@ def shrink(target: Failure, examples: int, seed_value: int) -> str | None:
     smallest: list[str] = []
 
     @seed(seed_value)
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=_QUIET,
-              phases=[Phase.generate, Phase.shrink], report_multiple_bugs=False)  # fmt: skip
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=_QUIET,
+        phases=[Phase.generate, Phase.shrink],
+        report_multiple_bugs=False,
+    )
     @given(case=CASES)
     def prop(case: FuzzCase) -> None:
         e = run_case(case)

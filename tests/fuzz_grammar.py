@@ -8,9 +8,9 @@ prediction equals ``fxmem.measure`` at every one of those batch sizes, in total 
 How a model is grown: the grammar tracks the current per-sample shape (the batch axis is always
 dim 0 and never appears in it). Each step is one small module; it is built, then run on the real
 outputs of the steps before it at batches 2 and 1, so the next step starts from the true output
-shape and strides, and a step whose configuration torch rejects is simply not used. Steps are chosen among those that apply to the
-current rank: rank 1 is (features,), rank 2 is (channels, length) or (sequence, embedding), rank 3
-(channels, H, W) and rank 4 (channels, D, H, W).
+shape and strides, and a step whose configuration torch rejects is simply not used. Steps are
+chosen among those that apply to the current rank: rank 1 is (features,), rank 2 is (channels,
+length) or (sequence, embedding), rank 3 (channels, H, W) and rank 4 (channels, D, H, W).
 
 Models stay tiny (at most ``MAX_NUMEL`` elements per sample in any step), so one real CPU step at
 batch 3 takes a few milliseconds and hundreds of examples fit in CI.
@@ -289,8 +289,19 @@ class BatchMix(nn.Module):
 class SDPA(nn.Module):
     """Self-attention through ``F.scaled_dot_product_attention`` on (B, S, E)."""
 
-    def __init__(self, seq: int, e: int, heads: int, head_dim: int, *, fused: bool, mask: str, causal: bool,
-                 dropout: float, out_proj: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        seq: int,
+        e: int,
+        heads: int,
+        head_dim: int,
+        *,
+        fused: bool,
+        mask: str,
+        causal: bool,
+        dropout: float,
+        out_proj: bool,
+    ) -> None:
         super().__init__()
         self.seq, self.heads, self.head_dim, self.fused = seq, heads, head_dim, fused
         self.mask_kind, self.causal, self.dropout, self.out_proj = mask, causal, dropout, out_proj
@@ -491,12 +502,16 @@ _ACTIVATIONS: list[tuple[str, Callable[[bool], nn.Module], bool, bool]] = [
 def step_activation(draw, ctx: Ctx, s: State) -> Built | None:
     name, factory, has_inplace, saves_output = _pick(draw, _ACTIVATIONS)
     inplace = has_inplace and s.inplace_ok and _chance(draw, 50)
-    return _probe(factory(inplace), s, f"{name}{'(inplace)' if inplace else ''}", inplace_ok=not (inplace or saves_output))
+    return _probe(
+        factory(inplace), s, f"{name}{'(inplace)' if inplace else ''}", inplace_ok=not (inplace or saves_output)
+    )
 
 
 def step_dropout(draw, ctx: Ctx, s: State) -> Built | None:
     p = _pick(draw, [0.1, 0.5, 0.0, 1.0])
-    kinds = ["Dropout", "F.dropout", "AlphaDropout"] + {2: ["Dropout1d"], 3: ["Dropout2d"], 4: ["Dropout3d"]}.get(s.rank, [])
+    kinds = ["Dropout", "F.dropout", "AlphaDropout"] + {2: ["Dropout1d"], 3: ["Dropout2d"], 4: ["Dropout3d"]}.get(
+        s.rank, []
+    )
     kind = _pick(draw, kinds)
     module = {
         "Dropout": lambda: nn.Dropout(p),
@@ -740,7 +755,9 @@ def step_conv(draw, ctx: Ctx, s: State) -> Built | None:
         stride = 1
     mode = _pick(draw, ["zeros", "reflect", "circular", "replicate"])
     bias = bool(_chance(draw, 70))
-    m = cls(c, out, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias, padding_mode=mode)
+    m = cls(
+        c, out, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias, padding_mode=mode
+    )
     desc = (
         f"{cls.__name__}({c}, {out}, k={kernel}, stride={stride}, padding={padding!r}, dilation={dilation}, "
         f"groups={groups}, bias={bias}, {mode})"
@@ -758,8 +775,17 @@ def step_conv_transpose(draw, ctx: Ctx, s: State) -> Built | None:
     kernel, stride, dilation = _int(draw, 1, 3), _int(draw, 1, 2), _int(draw, 1, 2)
     padding = _int(draw, 0, 1)
     output_padding = _int(draw, 0, max(stride, dilation) - 1)
-    m = cls(c, out, kernel, stride=stride, padding=padding, output_padding=output_padding, groups=groups,
-            dilation=dilation, bias=bool(_chance(draw, 70)))  # fmt: skip
+    m = cls(
+        c,
+        out,
+        kernel,
+        stride=stride,
+        padding=padding,
+        output_padding=output_padding,
+        groups=groups,
+        dilation=dilation,
+        bias=bool(_chance(draw, 70)),
+    )
     desc = (
         f"{cls.__name__}({c}, {out}, k={kernel}, stride={stride}, padding={padding}, "
         f"output_padding={output_padding}, dilation={dilation}, groups={groups})"
@@ -784,7 +810,9 @@ def step_channel_norm(draw, ctx: Ctx, s: State) -> Built | None:
 
 def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
     n = s.rank - 1
-    kind = _pick(draw, ["max", "max+indices", "F.max_pool", "avg", "adaptive_avg", "adaptive_max", "adaptive_max+indices"])
+    kind = _pick(
+        draw, ["max", "max+indices", "F.max_pool", "avg", "adaptive_avg", "adaptive_max", "adaptive_max+indices"]
+    )
     if kind.startswith("adaptive"):
         size = _spatial(draw, 1, 4, n)
         if kind == "adaptive_avg":
@@ -804,7 +832,12 @@ def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
         cls = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)[n - 1]
         include = bool(draw(st.booleans()))
         m = cls(k, stride=stride, padding=padding, ceil_mode=ceil, count_include_pad=include)
-        return _probe(m, s, f"AvgPool{n}d({k}, stride={stride}, padding={padding}, ceil={ceil}, include_pad={include})", inplace_ok=True)  # fmt: skip
+        return _probe(
+            m,
+            s,
+            f"AvgPool{n}d({k}, stride={stride}, padding={padding}, ceil={ceil}, include_pad={include})",
+            inplace_ok=True,
+        )
     dilation = _int(draw, 1, 2)
     if kind == "F.max_pool":
         fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[n - 1]
@@ -814,7 +847,9 @@ def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
         indices = kind == "max+indices"
         m = cls(k, stride=stride, padding=padding, dilation=dilation, ceil_mode=ceil, return_indices=indices)
         m = First(m) if indices else m
-    return _probe(m, s, f"{kind}{n}d({k}, stride={stride}, padding={padding}, dilation={dilation}, ceil={ceil})", inplace_ok=True)  # fmt: skip
+    return _probe(
+        m, s, f"{kind}{n}d({k}, stride={stride}, padding={padding}, dilation={dilation}, ceil={ceil})", inplace_ok=True
+    )
 
 
 def step_interpolate(draw, ctx: Ctx, s: State) -> Built | None:
@@ -855,9 +890,21 @@ def step_sdpa(draw, ctx: Ctx, s: State) -> Built | None:
     fused, out_proj = bool(draw(st.booleans())), bool(draw(st.booleans()))
     if 3 * heads * head_dim * seq > MAX_NUMEL or heads * seq * seq > MAX_NUMEL:
         return None
-    m = SDPA(seq, e, heads, head_dim, fused=fused, mask="none" if mask == "causal" else mask,
-             causal=mask == "causal", dropout=dropout, out_proj=out_proj)  # fmt: skip
-    desc = f"SDPA(heads={heads}, head_dim={head_dim}, mask={mask}, dropout_p={dropout}, fused_qkv={fused}, out_proj={out_proj})"
+    m = SDPA(
+        seq,
+        e,
+        heads,
+        head_dim,
+        fused=fused,
+        mask="none" if mask == "causal" else mask,
+        causal=mask == "causal",
+        dropout=dropout,
+        out_proj=out_proj,
+    )
+    desc = (
+        f"SDPA(heads={heads}, head_dim={head_dim}, mask={mask}, dropout_p={dropout}, fused_qkv={fused}, "
+        f"out_proj={out_proj})"
+    )
     return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=out_proj)
 
 
@@ -871,7 +918,10 @@ def step_mha(draw, ctx: Ctx, s: State) -> Built | None:
     same_kv, need_weights = bool(_chance(draw, 70)), bool(draw(st.booleans()))
     mask = _pick(draw, ["none", "causal", "padding"])
     m = MHA(mha, seq, same_kv=same_kv, need_weights=need_weights, mask=mask)
-    desc = f"MultiheadAttention({e}, {heads}, dropout={dropout}, bias={bias}, self={same_kv}, need_weights={need_weights}, mask={mask})"
+    desc = (
+        f"MultiheadAttention({e}, {heads}, dropout={dropout}, bias={bias}, self={same_kv}, "
+        f"need_weights={need_weights}, mask={mask})"
+    )
     return _probe(m, s, desc + _maybe_freeze(draw, m), inplace_ok=True)
 
 
@@ -888,7 +938,7 @@ def step_bmm(draw, ctx: Ctx, s: State) -> Built | None:
 
 def step_recurrent(draw, ctx: Ctx, s: State) -> Built | None:
     """nn.LSTM / nn.GRU / nn.RNN over (sequence, features), batch first."""
-    seq, e = s.shape
+    e = s.shape[1]
     cls = _pick(draw, [nn.LSTM, nn.GRU, nn.RNN])
     hidden, layers = _int(draw, 1, 8), _int(draw, 1, 2)
     bidirectional = bool(_chance(draw, 30))
@@ -954,21 +1004,77 @@ def step_pixel_shuffle(draw, ctx: Ctx, s: State) -> Built | None:
 # The grammar: which steps apply at which rank, and how a whole case is drawn.
 
 ANY_RANK: list[Builder] = [
-    step_activation, step_activation, step_dropout, step_linear, step_linear, step_norm_last, step_residual,
-    step_gate, step_cat, step_twice, step_reuse, step_where, step_affine, step_slice, step_chunk_mul,
-    step_batchnorm, step_elementwise,
-]  # fmt: skip
+    step_activation,
+    step_activation,
+    step_dropout,
+    step_linear,
+    step_linear,
+    step_norm_last,
+    step_residual,
+    step_gate,
+    step_cat,
+    step_twice,
+    step_reuse,
+    step_where,
+    step_affine,
+    step_slice,
+    step_chunk_mul,
+    step_batchnorm,
+    step_elementwise,
+]
 """Steps for every rank; a step listed twice is drawn twice as often."""
 BY_RANK: dict[int, list[Builder]] = {
     1: [step_unflatten, step_unflatten, step_batch_mix, step_tied_pair],
-    2: [step_conv, step_conv, step_conv_transpose, step_channel_norm, step_pool, step_pool, step_sdpa, step_sdpa,
-        step_mha, step_mha, step_bmm, step_transpose, step_flatten, step_unflatten, step_interpolate, step_pad,
-        step_recurrent],  # fmt: skip
-    3: [step_conv, step_conv, step_conv, step_conv_transpose, step_channel_norm, step_pool, step_pool,
-        step_interpolate, step_flatten, step_to_sequence, step_transpose, step_channels_last_norm, step_unflatten,
-        step_pad, step_pixel_shuffle],  # fmt: skip
-    4: [step_conv, step_conv, step_conv, step_conv_transpose, step_channel_norm, step_pool, step_pool, step_flatten,
-        step_to_sequence, step_transpose, step_channels_last_norm, step_pad],  # fmt: skip
+    2: [
+        step_conv,
+        step_conv,
+        step_conv_transpose,
+        step_channel_norm,
+        step_pool,
+        step_pool,
+        step_sdpa,
+        step_sdpa,
+        step_mha,
+        step_mha,
+        step_bmm,
+        step_transpose,
+        step_flatten,
+        step_unflatten,
+        step_interpolate,
+        step_pad,
+        step_recurrent,
+    ],
+    3: [
+        step_conv,
+        step_conv,
+        step_conv,
+        step_conv_transpose,
+        step_channel_norm,
+        step_pool,
+        step_pool,
+        step_interpolate,
+        step_flatten,
+        step_to_sequence,
+        step_transpose,
+        step_channels_last_norm,
+        step_unflatten,
+        step_pad,
+        step_pixel_shuffle,
+    ],
+    4: [
+        step_conv,
+        step_conv,
+        step_conv,
+        step_conv_transpose,
+        step_channel_norm,
+        step_pool,
+        step_pool,
+        step_flatten,
+        step_to_sequence,
+        step_transpose,
+        step_channels_last_norm,
+        step_pad,
+    ],
 }
 
 
@@ -1046,8 +1152,11 @@ def _sequence_first(s: State) -> Built:
     """An (S, B, E) input made batch-first by the model's first op, a transposed view of the input."""
     seq, e = s.shape
     first = (torch.randn(seq, 2, e).transpose(0, 1), torch.randn(seq, 1, e).transpose(0, 1))
-    return Built(Method("transpose", 0, 1), State(s.shape, s.dtype, inplace_ok=True, examples=first),
-                 f"x.transpose(0, 1) of the sequence-first input -> {s.shape}")  # fmt: skip
+    return Built(
+        Method("transpose", 0, 1),
+        State(s.shape, s.dtype, inplace_ok=True, examples=first),
+        f"x.transpose(0, 1) of the sequence-first input -> {s.shape}",
+    )
 
 
 def _retie(ctx: Ctx) -> None:
@@ -1104,7 +1213,11 @@ def fuzz_cases(draw, feature: str = "free", max_steps: int = MAX_STEPS) -> FuzzC
     loss = _pick(draw, LOSSES)
     extra = _pick(draw, [(), (), (1,), (4,)])
     descs = ([f"merge inputs: {merge}"] if merge else []) + [b.desc for b in steps]
-    descs += [f"returns {'(x.argmax(-1), x)' if output == 'tuple' else '{logits: x, aux: x.detach().sum()}'}"] if output != "tensor" else []
+    descs += (
+        [f"returns {'(x.argmax(-1), x)' if output == 'tuple' else '{logits: x, aux: x.detach().sum()}'}"]
+        if output != "tensor"
+        else []
+    )
     return FuzzCase(model, inputs, loss, (2, 3, *extra), descs, dtype, device)
 
 
@@ -1121,8 +1234,8 @@ def validate_case(case: FuzzCase) -> None:
     model = materialize(case.model)
     specs = fxmem.parse_inputs(case.inputs)
     tensors = [fxmem.inputs.make_tensor(s, 2) for s in specs]
-    args = [t for s, t in zip(specs, tensors) if s.name is None]
-    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    args = [t for s, t in zip(specs, tensors, strict=True) if s.name is None]
+    kwargs = {s.name: t for s, t in zip(specs, tensors, strict=True) if s.name is not None}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -1146,7 +1259,9 @@ class Mismatch(AssertionError):
 
 
 def _first_floating(out: object) -> torch.Tensor:
-    return next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return next(
+        t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )
 
 
 def check_case(case: FuzzCase) -> None:

@@ -31,10 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fuzz_grammar import FEATURES, FuzzCase, check_case, fuzz_cases  # noqa: E402
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
-settings.register_profile("fuzz-ci", max_examples=200, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=_QUIET, print_blob=True)  # fmt: skip
+settings.register_profile(
+    "fuzz-ci",
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=_QUIET,
+    print_blob=True,
+)
 settings.register_profile("fuzz-dev", max_examples=50, deadline=None, suppress_health_check=_QUIET, print_blob=True)
-settings.register_profile("fuzz-nightly", max_examples=2000, deadline=None, suppress_health_check=_QUIET, print_blob=True)
+settings.register_profile(
+    "fuzz-nightly", max_examples=2000, deadline=None, suppress_health_check=_QUIET, print_blob=True
+)
 
 
 def fuzz_settings(examples: int | None) -> settings:

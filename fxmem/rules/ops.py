@@ -7,6 +7,7 @@ the device whose kernel is modelled. Each returns ``{output index: true nbytes}`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,9 +60,9 @@ def embedding_bag_buffers(args: Sequence[Any], kwargs: Mapping[str, Any], out: A
     per_sample_weights = _arg(args, kwargs, 6, "per_sample_weights", None)
     padding_idx = _arg(args, kwargs, 8, "padding_idx", -1)
     offset2bag, bag_size = out[1], out[2]
-    needs_offset2bag = mode != _EMBEDDING_BAG_SUM or not _embedding_bag_fast_sum(weight, per_sample_weights, padding_idx)
+    fast_sum = mode == _EMBEDDING_BAG_SUM and _embedding_bag_fast_sum(weight, per_sample_weights, padding_idx)
     return {
-        1: (indices.shape[0] + 1) * offset2bag.element_size() if needs_offset2bag else 0,
+        1: 0 if fast_sum else (indices.shape[0] + 1) * offset2bag.element_size(),
         2: offsets.shape[0] * bag_size.element_size(),
     }
 
@@ -80,3 +81,34 @@ def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str, 
     if index < len(args):
         return args[index]
     return kwargs.get(name, default)
+
+
+# Note [CPU slow_conv_transpose3d output]
+#     Where ATen picks its native kernel for a 3-D transposed convolution (slow_conv_transpose3d:
+#     no oneDNN, or oneDNN declined, as for small single-sample inputs or 1x1 kernels on one thread),
+#     that kernel makes its output with empty_like(input) and then resizes it to the output shape.
+#     resize_ never shrinks a storage, so when the input has more elements per sample than the
+#     output (a transposed convolution that reduces channels, or crops with its padding), the
+#     output, which autograd saves for the next layer, holds the input's bytes. The meta kernel
+#     allocates the output's size. The backend is ATen's own choice, asked of ATen for the same
+#     arguments. With a symbolic batch ATen decides by the batch's hint (_BATCH_HINT in capture.py),
+#     so for 1x1 kernels on one thread, where it switches to oneDNN from B=16, the line holds only
+#     below 16 (test_conv_transpose3d_kernel_choice_changes_at_batch_16 in test_fuzz_regressions.py).
+
+
+@register_op_rule(("aten.convolution", "cpu"))
+def slow_conv_transpose3d_output(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> dict[int, object]:
+    """The output storage of the native 3-D transposed convolution; see Note [CPU slow_conv_transpose3d output]."""
+    inp, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
+    if not transposed or inp.dim() != 5:
+        return {}
+    conv_args = (inp, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    if torch._C._select_conv_backend(*conv_args) != torch._C._ConvBackend.SlowTranspose3d:
+        return {}
+    larger = inp if _per_sample(inp) > _per_sample(out) else out
+    return {0: larger.numel() * out.element_size()}
+
+
+def _per_sample(t: Any) -> int:
+    """Elements per entry of dim 0 (the convolution's batch), a plain int for any batch size."""
+    return math.prod(t.shape[1:])
