@@ -48,7 +48,9 @@ def _bytes_at(capture: Capture) -> dict[str, int]:
     return {node: sum(s.nbytes.at(capture.batch) for s in ts) for node, ts in _by_node(capture).items()}
 
 
-def account_bytes(symbolic: Capture | None, concrete: Mapping[int, Capture], *, note: str = "") -> Accounting:
+def account_bytes(
+    symbolic: Capture | None, concrete: Mapping[int, Capture], *, note: str = "", batch_one_error: str = ""
+) -> Accounting:
     """Merge a symbolic pass (if it ran) with concrete passes into one record per node."""
     exact = {b: _bytes_at(c) for b, c in concrete.items()}
     if symbolic is not None:
@@ -59,7 +61,8 @@ def account_bytes(symbolic: Capture | None, concrete: Mapping[int, Capture], *, 
         base, method = concrete[min(b for b in concrete if b != 1)], "concrete"
     records = tuple(_record(info, lines, exact, _by_node(base)) for info in base.nodes)
     unsupported = _merge_unsupported([base, *concrete.values()])
-    return Accounting(records, base.inputs if symbolic is not None else _fit_inputs(concrete), method, linear, unsupported, note)
+    inputs = base.inputs if symbolic is not None else _fit_inputs(concrete)
+    return Accounting(records, inputs, method, linear, unsupported, note, batch_one_error)
 
 
 def _record(

@@ -9,7 +9,7 @@ from torch import fx, nn
 
 from fxmem.account import FIT_BATCHES, VERIFY_BATCH, account_bytes
 from fxmem.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
-from fxmem.errors import InputSpecError
+from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpec, InputSpecs, has_seq, parse_inputs
 from fxmem.losses import Loss, get_loss
 from fxmem.results import Accounting, Capture, Kind, Report
@@ -82,11 +82,27 @@ def _account(
     except (SymbolicUnsupported, BatchSpecialized) as e:
         batches = (1, *FIT_BATCHES, VERIFY_BATCH)
         say(f"capturing saved tensors (concrete passes at B={','.join(map(str, batches))})")
-        concrete = {b: run(b, seq) for b in batches}
+        one, why_not_one = _batch_one(run, seq)
+        concrete = {b: run(b, seq) for b in batches if b != 1} | ({1: one} if one is not None else {})
         at_seq = f" at S={seq}" if seq is not None else ""
-        return account_bytes(None, concrete, note=f"concrete passes at B=1,2,3,5{at_seq} ({e})")
+        note = f"concrete passes at B={','.join(map(str, sorted(concrete)))}{at_seq} ({e})"
+        return account_bytes(None, concrete, note=note, batch_one_error=why_not_one)
     say("capturing saved tensors (concrete pass at B=1)")
-    return account_bytes(symbolic, {1: run(1, seq)})
+    one, why_not_one = _batch_one(run, seq)
+    return account_bytes(symbolic, {1: one} if one is not None else {}, batch_one_error=why_not_one)
+
+
+def _batch_one(run: Callable[[int | None, int | None], Capture], seq: int | None) -> tuple[Capture | None, str]:
+    """The B=1 pass, or why a training step cannot run at B=1 at all.
+
+    Some models cannot train on one sample (BatchNorm needs more than one value per channel); their
+    other batch sizes are still exact, and B=1 figures then follow the line. If the failure is not
+    specific to B=1, the passes at other batch sizes fail too, and that error is the one raised.
+    """
+    try:
+        return run(1, seq), ""
+    except CaptureError as e:
+        return None, str(e)
 
 
 def _pass(

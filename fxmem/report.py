@@ -163,6 +163,11 @@ def _summary(report: Report) -> str:
     if report.device_memory is not None:
         lines.append(_device_line(report))
     notes = [NOT_INCLUDED]
+    if report.accounting.batch_one_error:
+        notes.append(
+            "The model cannot train at B=1, so B=1 figures follow the line: "
+            + " ".join(report.accounting.batch_one_error.split())[:300]
+        )
     if report.batch_one_special:
         notes.append(f"B=1 is special: {', '.join(report.batch_one_special[:5])} save different bytes at B=1 than the line predicts; B=1 figures are exact.")
     if not report.accounting.linear:
@@ -245,6 +250,7 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
             for r, a in zip(group_layers(report, depth), _layer_bytes(report, group_layers(report, depth), b))
         ],
         "batch_one_special": list(report.batch_one_special),
+        "batch_one_error": report.accounting.batch_one_error or None,
         "seq_len": report.seq_len,
         "at_batch": {"batch": b, "activations": report.activation_bytes(b), "inputs": report.input_bytes(b), "total": report.total_bytes(b)},
         "floor": report.total_bytes(1),

@@ -181,6 +181,8 @@ class Accounting:
     """True when ``saved.at(B)`` is exact for every B >= 2; False when only concrete passes are exact."""
     unsupported: tuple[Unsupported, ...]
     note: str = ""
+    batch_one_error: str = ""
+    """Why a training step cannot run at B=1 (BatchNorm on one sample), or "" when it can."""
 
 
 @dataclass(frozen=True)

@@ -136,23 +136,19 @@ def test_conv_transpose3d_output_storage(conv: nn.Module, inputs: str, per_sampl
         assert report.activation_bytes(b) == per_sample * b
 
 
-# --- Known limitations -----------------------------------------------------------------------------
+# --- B=1 and known limitations -----------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=fxmem.CaptureError,
-    reason="analyze always runs a B=1 pass (api._account), and a BatchNorm over features fails in training "
-    "at B=1 (one value per channel), so the whole analysis fails although every B >= 2 is fine. Needs "
-    "api.py to treat a failing B=1 pass as 'B=1 unsupported' instead of an error.",
-)
 def test_batchnorm_one_value_per_channel_at_batch_one() -> None:
     # The MLP classic: Linear -> BatchNorm1d on (B, features). At B >= 2 the Linear saves its input (the
     # input batch, not counted); BatchNorm saves its input, the Linear's output (16B, charged to the
     # Linear), and save_mean and save_invstd (16 + 16).
+    # A training step cannot run at B=1 at all (one value per channel): analyze says so instead of failing.
     model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
     report = assert_matches(model, ["B,8"], batches=(2, 3, 5))
     assert report.activation_bytes(3) == 16 * 3 + 32
+    assert "Expected more than 1 value per channel" in report.accounting.batch_one_error
+    assert "cannot train at B=1" in str(report)
 
 
 @pytest.mark.usefixtures("one_thread")
