@@ -83,13 +83,24 @@ def _account(
         batches = (1, *FIT_BATCHES, VERIFY_BATCH)
         say(f"capturing saved tensors (concrete passes at B={','.join(map(str, batches))})")
         one, why_not_one = _batch_one(run, seq)
-        concrete = {b: run(b, seq) for b in batches if b != 1} | ({1: one} if one is not None else {})
+        try:
+            concrete = {b: run(b, seq) for b in batches if b != 1} | ({1: one} if one is not None else {})
+        except CaptureError as concrete_error:
+            raise _same_failure(e, concrete_error) from concrete_error
         at_seq = f" at S={seq}" if seq is not None else ""
         note = f"concrete passes at B={','.join(map(str, sorted(concrete)))}{at_seq} ({e})"
         return account_bytes(None, concrete, note=note, batch_one_error=why_not_one)
     say("capturing saved tensors (concrete pass at B=1)")
     one, why_not_one = _batch_one(run, seq)
     return account_bytes(symbolic, {1: one} if one is not None else {}, batch_one_error=why_not_one)
+
+
+def _same_failure(symbolic: Exception, concrete: CaptureError) -> CaptureError:
+    """The symbolic pass's error (shapes written with B) when both passes failed at the same node."""
+    if isinstance(symbolic, SymbolicUnsupported) and symbolic.error is not None:
+        if symbolic.node == getattr(concrete, "node", None):
+            return symbolic.error
+    return concrete
 
 
 def _batch_one(run: Callable[[int | None, int | None], Capture], seq: int | None) -> tuple[Capture | None, str]:

@@ -16,24 +16,23 @@ Note [Counting storages once]
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch._refs
 import torch.fx as fx
-from torch._C import DispatchKey
 from torch._guards import GuardSource, Source
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fxmem.errors import CaptureError, FxmemError, InputSpecError
+from fxmem.binding import bind_inputs, fake_like, state_kinds, swapped_state
+from fxmem.dispatch import OpRule, OpRuleMode
+from fxmem.errors import CaptureError, FxmemError
 from fxmem.inputs import InputSpec, dtype_name, has_seq, make_tensor
 from fxmem.losses import Loss
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
@@ -48,13 +47,16 @@ _SEQ_HINT = 24
 
 LOSS_NODE = "loss"
 
-OpRule = Callable[[Sequence[Any], Mapping[str, Any], Any], Mapping[int, object]]
-"""An op rule gets an aten op's (args, kwargs, output) and returns {output index: true nbytes}
-for outputs whose fake storage under-reports what the real kernel allocates."""
-
-
 class SymbolicUnsupported(Exception):
-    """The symbolic pass could not run (a kernel needs concrete sizes); retry with concrete batches."""
+    """The symbolic pass could not run (a kernel needs concrete sizes); retry with concrete batches.
+
+    ``error`` is the CaptureError the failure would be if it is not the symbolic sizes' fault.
+    """
+
+    def __init__(self, message: str, *, node: str = "", error: CaptureError | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.error = error
 
 
 class BatchSpecialized(Exception):
@@ -214,20 +216,29 @@ def _node_info(n: fx.Node, out: object, book: _Book) -> NodeInfo:
     return NodeInfo(n.name, n.op, _target_name(n, gm) if gm is not None else str(n.target), node_fqn(n), shape)
 
 
-_SYMBOLIC_MESSAGES = ("symbolic sizes", "symbolic shape", "SymIntArrayRef expected to contain only concrete", "data-dependent", "GuardOnDataDependent")
-
-
 def _node_error(n: fx.Node, rec: _Recorder, e: Exception) -> Exception:
-    if rec.book.batch_symbol is not None or rec.book.seq_symbol is not None:
-        return SymbolicUnsupported(f"{n.name}: {e}")
+    """A CaptureError naming the node, its module, source line and input shapes (B and S written as such).
+
+    In a symbolic pass the failure may be the symbolic sizes' fault, so it is raised as
+    SymbolicUnsupported carrying that CaptureError: if the concrete passes fail at the same node, the
+    caller raises it, with shapes that show which axis is the batch.
+    """
+    label = lambda d: label_dim(d, rec.book.batch_symbol, rec.book.seq_symbol)  # noqa: E731
     args = [rec.env[a] for a in n.all_input_nodes if a in rec.env]
-    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    return CaptureError(
+    shapes = ["(" + ", ".join(str(label(d)) for d in a.shape) + ")" for a in args if isinstance(a, torch.Tensor)]
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
+    for symbol, name in ((rec.book.batch_symbol, "B"), (rec.book.seq_symbol, "S")):
+        if symbol is not None:  # torch's text names ShapeEnv symbols (s44); the user knows them as B and S
+            first = re.sub(rf"\b{symbol}\b", name, first)
+    error = CaptureError(
         f"model '{rec.model_name}': node '{n.name}' ({n.format_node()}) in module '{node_fqn(n) or '(top level)'}'"
-        f"{_source_line(n)} failed on input shapes {', '.join(map(str, shapes)) or '(none)'}: "
+        f"{_source_line(n)} failed on input shapes {', '.join(shapes) or '(none)'}: "
         f"{type(e).__name__}: {first}. Check that the --input shapes match what this layer expects."
     )
+    if rec.book.batch_symbol is not None or rec.book.seq_symbol is not None:
+        return SymbolicUnsupported(f"{n.name}: {first}", node=n.name, error=error)
+    error.node = n.name  # type: ignore[attr-defined]
+    return error
 
 
 def _source_line(n: fx.Node) -> str:
@@ -235,122 +246,6 @@ def _source_line(n: fx.Node) -> str:
     frames = re.findall(r'File "([^"]+)", line (\d+)', n.stack_trace or "")
     user = [f"{path}:{line}" for path, line in frames if "/torch/" not in path and "/fxmem/" not in path]
     return f" (source {user[-1]})" if user else ""
-
-
-def _constant_pad_nd(x: torch.Tensor, pad: Sequence[Any], value: float = 0.0) -> Any:
-    """constant_pad_nd through its Python reference, which keeps SymInt sizes symbolic."""
-    return torch._refs.constant_pad_nd(x, pad, value)
-
-
-_SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {torch.ops.aten.constant_pad_nd.default: _constant_pad_nd}
-"""Ops whose fake kernel reads concrete sizes, so that it would fix B to its hint (HF pads labels with
-constant_pad_nd), computed instead by torch's own SymInt-safe Python reference. Both allocate one
-output of the padded size, so what autograd saves is unchanged."""
-
-
-def _eager_decomposes(func: Any) -> bool:
-    """True for an aten op that eager CPU runs as its C++ CompositeImplicitAutograd decomposition.
-
-    Not ``func._can_decompose()``: that also holds for ops with a kernel of their own and a Python
-    decomposition (upsample_nearest1d), which eager never uses and which can lay out its output
-    differently (see test_interpolate_keeps_the_cpu_kernel_layout in tests/test_fuzz_regressions.py).
-    Ops the dispatcher has no kernel for at all (aten.size.default, met in interpolate's symbolic
-    pass) are run as they are.
-    """
-    name = func.name()
-    return (
-        func.namespace == "aten"
-        and torch._C._dispatch_has_kernel(name)
-        and torch._C._dispatch_has_kernel_for_dispatch_key(name, DispatchKey.CompositeImplicitAutograd)
-    )
-
-
-class _RuleMode(TorchDispatchMode):
-    """Applies op rules: records the true size of storages whose fake kernels under-report them."""
-
-    def __init__(self, rules: Mapping[str, OpRule], book: _Book) -> None:
-        super().__init__()
-        self.rules = rules
-        self.book = book
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _SYMBOLIC_REWRITES:
-            rewritten = _SYMBOLIC_REWRITES[func](*args, **kwargs)
-            if rewritten is not NotImplemented:
-                return rewritten
-        if _eager_decomposes(func):
-            # A Python mode receives some composite ops (aten.pad) whole; decomposing them here, with
-            # the C++ decomposition eager uses, keeps SymInt sizes symbolic (as make_fx's mode does).
-            return func._op_dk(DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
-        out = func(*args, **kwargs)
-        rule = self.rules.get(str(func.overloadpacket))
-        if rule is not None:
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            for index, nbytes in rule(args, kwargs, out).items():
-                self.book.overrides[StorageWeakRef(outs[index].untyped_storage())] = nbytes
-        return out
-
-
-def _placeholder_values(gm: fx.GraphModule, specs: Sequence[InputSpec], tensors: Sequence[torch.Tensor], model: str) -> list[Any]:
-    """Line up input tensors with the graph's placeholders: positional first, then by keyword name."""
-    positional = [t for s, t in zip(specs, tensors) if s.name is None]
-    keyword = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
-    values: list[Any] = []
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    names = [str(p.target).lstrip("*") for p in placeholders]
-    unknown = sorted(set(keyword) - set(names))
-    if unknown or len(positional) > len(placeholders):
-        raise InputSpecError(
-            f"model '{model}' takes inputs ({', '.join(names)}), but was given "
-            f"{len(positional)} positional input(s) and keyword(s) {unknown or sorted(keyword)}; "
-            "match --input to the forward() signature."
-        )
-    for i, (p, name) in enumerate(zip(placeholders, names)):
-        if i < len(positional):
-            values.append(positional[i])
-        elif name in keyword:
-            values.append(keyword[name])
-        elif p.args:
-            values.append(p.args[0])
-        else:
-            raise InputSpecError(
-                f"model '{model}' needs input '{name}' of forward(), which was not given; add an "
-                f"--input for it (e.g. --input {name}=B,...)."
-            )
-    return values
-
-
-@contextlib.contextmanager
-def _swapped_state(gm: fx.GraphModule, replace: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Temporarily replace every parameter and buffer (tied ones by the same object), then restore."""
-    originals: list[tuple[dict[str, Any], str, Any]] = []
-    cache: dict[int, torch.Tensor] = {}
-    for module in gm.modules():
-        for slots in (module._parameters, module._buffers):
-            for name, value in slots.items():
-                if value is None:
-                    continue
-                originals.append((slots, name, value))
-                if id(value) not in cache:
-                    cache[id(value)] = replace(value)
-                slots[name] = cache[id(value)]
-    try:
-        yield
-    finally:
-        for slots, name, value in originals:
-            slots[name] = value
-
-
-def _fake_like(t: torch.Tensor) -> torch.Tensor:
-    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    return torch.nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
-
-
-def _state_kinds(gm: fx.GraphModule) -> dict[StorageWeakRef, Kind]:
-    kinds = {StorageWeakRef(b.untyped_storage()): Kind.BUFFER for b in gm.buffers()}
-    kinds.update({StorageWeakRef(p.untyped_storage()): Kind.PARAM for p in gm.parameters()})
-    return kinds
 
 
 def _new_symbol(shape_env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
@@ -401,11 +296,11 @@ def capture_saved(
         s = _new_symbol(shape_env, "S", _SEQ_HINT) if seq is None and has_seq(specs) else seq
         inputs = [make_tensor(spec, b, s) for spec in specs]
     symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
-    with _swapped_state(gm, lambda t: _under(mode, _fake_like, t)):
+    with swapped_state(gm, lambda t: _under(mode, fake_like, t)):
         book = _new_book(gm, inputs, symbols.get("B"), symbols.get("S"))
         book.strict = strict
-        values = _placeholder_values(gm, specs, inputs, model)
-        with mode, _RuleMode(rules, book):
+        values = bind_inputs(gm, specs, inputs, model)
+        with mode, OpRuleMode(rules, book.overrides):
             infos = _run(gm, book, values, loss, model)
     for name, symbol in symbols.items():
         if shape_env.replacements.get(symbol) is not None:
@@ -433,12 +328,12 @@ def record_real(
     """The same recorder on real CPU tensors: the measurement. ``gm`` must hold real CPU weights."""
     inputs = [make_tensor(s, batch, seq) for s in specs]
     book = _new_book(gm, inputs, None, None)
-    infos = _run(gm, book, _placeholder_values(gm, specs, inputs, model), loss, model)
+    infos = _run(gm, book, bind_inputs(gm, specs, inputs, model), loss, model)
     return Capture(batch, tuple(infos), book.saved_tensors(), book.input_bytes(), ())
 
 
 def _new_book(gm: fx.GraphModule, inputs: Sequence[torch.Tensor], batch_symbol: Any, seq_symbol: Any) -> _Book:
-    book = _Book(kinds=_state_kinds(gm), batch_symbol=batch_symbol, seq_symbol=seq_symbol)
+    book = _Book(kinds=state_kinds(gm), batch_symbol=batch_symbol, seq_symbol=seq_symbol)
     for t in inputs:
         book.add_input(t)
     return book

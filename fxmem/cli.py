@@ -24,13 +24,13 @@ from fxmem.api import analyze
 from fxmem.errors import FxmemError, InputSpecError
 from fxmem.inputs import parse_dtype, parse_inputs, parse_size
 from fxmem.load import load_leaf_types, load_model
-from fxmem.tracing import FRONTENDS
-from fxmem.losses import LOSSES, get_loss
+from fxmem.losses import LOSSES
 from fxmem.measure import materialize, measure
 from fxmem.report import FORMATS, format_bytes, render
 from fxmem.results import ModelSpec, Report
 from fxmem.rules.optimizers import OPTIMIZERS
 from fxmem.state import get_optimizer
+from fxmem.tracing import FRONTENDS
 
 __all__ = ["main"]
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from torch.utils._pytree import tree_leaves
 
 from fxmem.errors import InputSpecError

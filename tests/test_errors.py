@@ -123,7 +123,7 @@ MODELS = [
     pytest.param([f"{M}:linear_8_4", "--input", "B,8", "--input", "B,8"], ["takes inputs (input)", "2 positional"], id="inputs-too-many"),
     pytest.param([f"{M}:linear_8_4", "--input", "mask=B,8"], ["takes inputs (input)", "'mask'", "forward() signature"], id="keyword-unknown"),
     # The node, its module, the input shape and the weight's shape.
-    pytest.param([f"{M}:linear_8_4", "--input", "B,7"], ["node '_0'", "module '0'", "(1, 7)", "[8, 4]", "--input shapes"], id="shape-rejected"),
+    pytest.param([f"{M}:linear_8_4", "--input", "B,7"], ["node '_0'", "module '0'", "(B, 7)", "[B, 7] X [8, 4]", "--input shapes"], id="shape-rejected"),
     pytest.param(
         [f"{M}:branchy"],
         ["cannot trace module 'gate' (_Gate)", "models_for_errors.py:", "if x.sum() > 0", "--leaf _Gate", "torch.where"],

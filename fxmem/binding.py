@@ -1,0 +1,79 @@
+"""Binding a graph to its inputs and state: placeholders lined up with input specs, and parameters
+and buffers swapped for fake copies for the length of a pass (tied ones by the same copy)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxmem.errors import InputSpecError
+from fxmem.inputs import InputSpec
+from fxmem.results import Kind
+
+__all__ = ["bind_inputs", "fake_like", "state_kinds", "swapped_state"]
+
+
+def bind_inputs(gm: fx.GraphModule, specs: Sequence[InputSpec], tensors: Sequence[torch.Tensor], model: str) -> list[Any]:
+    """Line up input tensors with the graph's placeholders: positional first, then by keyword name."""
+    positional = [t for s, t in zip(specs, tensors) if s.name is None]
+    keyword = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    values: list[Any] = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [str(p.target).lstrip("*") for p in placeholders]
+    unknown = sorted(set(keyword) - set(names))
+    if unknown or len(positional) > len(placeholders):
+        raise InputSpecError(
+            f"model '{model}' takes inputs ({', '.join(names)}), but was given "
+            f"{len(positional)} positional input(s) and keyword(s) {unknown or sorted(keyword)}; "
+            "match --input to the forward() signature."
+        )
+    for i, (p, name) in enumerate(zip(placeholders, names)):
+        if i < len(positional):
+            values.append(positional[i])
+        elif name in keyword:
+            values.append(keyword[name])
+        elif p.args:
+            values.append(p.args[0])
+        else:
+            raise InputSpecError(
+                f"model '{model}' needs input '{name}' of forward(), which was not given; add an "
+                f"--input for it (e.g. --input {name}=B,...)."
+            )
+    return values
+
+
+@contextlib.contextmanager
+def swapped_state(gm: fx.GraphModule, replace: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Temporarily replace every parameter and buffer (tied ones by the same object), then restore."""
+    originals: list[tuple[dict[str, Any], str, Any]] = []
+    cache: dict[int, torch.Tensor] = {}
+    for module in gm.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, value in slots.items():
+                if value is None:
+                    continue
+                originals.append((slots, name, value))
+                if id(value) not in cache:
+                    cache[id(value)] = replace(value)
+                slots[name] = cache[id(value)]
+    try:
+        yield
+    finally:
+        for slots, name, value in originals:
+            slots[name] = value
+
+
+def fake_like(t: torch.Tensor) -> torch.Tensor:
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return torch.nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+
+
+def state_kinds(gm: fx.GraphModule) -> dict[StorageWeakRef, Kind]:
+    kinds = {StorageWeakRef(b.untyped_storage()): Kind.BUFFER for b in gm.buffers()}
+    kinds.update({StorageWeakRef(p.untyped_storage()): Kind.PARAM for p in gm.parameters()})
+    return kinds
