@@ -53,7 +53,8 @@ def swapped_state(gm: fx.GraphModule, replace: Callable[[torch.Tensor], torch.Te
     originals: list[tuple[dict[str, Any], str, Any]] = []
     cache: dict[int, torch.Tensor] = {}
     for module in gm.modules():
-        for slots in (module._parameters, module._buffers):
+        slot_dicts: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for slots in slot_dicts:
             for name, value in slots.items():
                 if value is None:
                     continue

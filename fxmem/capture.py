@@ -248,7 +248,7 @@ def _source_line(n: fx.Node) -> str:
     return f" (source {user[-1]})" if user else ""
 
 
-def _new_symbol(shape_env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
+def _new_symbol(shape_env: ShapeEnv, name: str, hint: int) -> int | torch.SymInt:
     source = _SymbolSource(name)
     sym = shape_env.create_symbol(hint, source, dynamic_dim=DimDynamic.DYNAMIC)
     return shape_env.create_symintnode(sym, hint=hint, source=source)

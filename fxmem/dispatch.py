@@ -26,7 +26,7 @@ for outputs whose fake storage under-reports what the real kernel allocates."""
 
 def _constant_pad_nd(x: torch.Tensor, pad: Sequence[Any], value: float = 0.0) -> Any:
     """constant_pad_nd through its Python reference, which keeps SymInt sizes symbolic."""
-    return torch._refs.constant_pad_nd(x, pad, value)
+    return torch._refs.constant_pad_nd(x, list(pad), value)
 
 
 _SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {torch.ops.aten.constant_pad_nd.default: _constant_pad_nd}

@@ -51,7 +51,7 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
         raise _export_error(name, model, e) from e
     gm = program.module()
     _clean(gm)
-    return gm  # type: ignore[return-value]
+    return gm
 
 
 @contextlib.contextmanager

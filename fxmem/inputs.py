@@ -45,11 +45,12 @@ class InputSpec:
     dims: tuple[int | str, ...]
     dtype: torch.dtype = torch.float32
 
-    def shape_at(self, batch: object, seq: object = None) -> tuple[object, ...]:
+    def shape_at(self, batch: int | torch.SymInt, seq: int | torch.SymInt | None = None) -> tuple[int | torch.SymInt, ...]:
         """The shape with B replaced by ``batch`` and S by ``seq`` (ints or SymInts)."""
         if seq is None and SEQ in self.dims:
             raise InputSpecError(f"input '{self}' has a symbolic sequence axis S: give a sequence length (--seq-len).")
-        return tuple(batch if d == BATCH else seq if d == SEQ else d for d in self.dims)
+        sizes: dict[str, int | torch.SymInt] = {BATCH: batch} | ({SEQ: seq} if seq is not None else {})
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.dims)
 
     def __str__(self) -> str:
         prefix = f"{self.name}=" if self.name else ""
@@ -167,7 +168,7 @@ def has_seq(specs: Sequence[InputSpec]) -> bool:
     return any(SEQ in s.dims for s in specs)
 
 
-def make_tensor(spec: InputSpec, batch: object, seq: object = None) -> torch.Tensor:
+def make_tensor(spec: InputSpec, batch: int | torch.SymInt, seq: int | torch.SymInt | None = None) -> torch.Tensor:
     """A tensor for ``spec`` at ``batch`` (fake under FakeTensorMode): random floats, integer zeros.
 
     Integer inputs are zeros so that token ids and class indices are valid for any vocabulary.

@@ -16,6 +16,8 @@ from torch.utils._pytree import tree_leaves
 
 from fxmem.errors import InputSpecError
 
+Shape = tuple["int | torch.SymInt", ...]
+
 __all__ = ["LOSSES", "Loss", "get_loss"]
 
 
@@ -25,7 +27,7 @@ class Loss:
 
     name: str
     summary: str
-    target: Callable[[torch.Tensor], tuple[tuple[object, ...], torch.dtype] | None]
+    target: Callable[[torch.Tensor], tuple[Shape, torch.dtype] | None]
     compute: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
     own: bool | None = False
@@ -68,11 +70,11 @@ def _no_target(out: torch.Tensor) -> None:
     return None
 
 
-def _like_output(out: torch.Tensor) -> tuple[tuple[object, ...], torch.dtype]:
+def _like_output(out: torch.Tensor) -> tuple[Shape, torch.dtype]:
     return tuple(out.shape), out.dtype
 
 
-def _class_dim1(out: torch.Tensor) -> tuple[tuple[object, ...], torch.dtype]:
+def _class_dim1(out: torch.Tensor) -> tuple[Shape, torch.dtype]:
     if out.dim() < 2:
         raise InputSpecError(
             f"loss 'cross_entropy' needs an output of shape (B, classes, ...), got {out.dim()} dimension(s); "
@@ -81,7 +83,7 @@ def _class_dim1(out: torch.Tensor) -> tuple[tuple[object, ...], torch.dtype]:
     return (out.shape[0], *out.shape[2:]), torch.int64
 
 
-def _class_last(out: torch.Tensor) -> tuple[tuple[object, ...], torch.dtype]:
+def _class_last(out: torch.Tensor) -> tuple[Shape, torch.dtype]:
     if out.dim() < 2:
         raise InputSpecError("loss 'lm_cross_entropy' needs logits of shape (B, ..., vocab); use --loss sum or mse.")
     return tuple(out.shape[:-1]), torch.int64

@@ -92,8 +92,9 @@ def materialize(model: nn.Module) -> nn.Module:
         for p in real.parameters():
             p.normal_(0.0, 0.02)
         for m in real.modules():
-            if hasattr(m, "reset_parameters"):
-                m.reset_parameters()
+            reset = getattr(m, "reset_parameters", None)
+            if callable(reset):
+                reset()
     return real
 
 

@@ -211,7 +211,9 @@ def _device_line(report: Report) -> list[str]:
         return [label, "does not fit", f"one sample needs {format_bytes(v.floor)}: no batch size fits; shrink the per-sample shape or the state"]
     if v.unbounded:
         return [label, "fits at any batch", "memory does not grow with B"]
-    return [label, f"largest batch {v.max_batch}", f"total {format_bytes(report.total_bytes(v.max_batch))} at B={v.max_batch}"]
+    fits = v.max_batch
+    assert fits is not None
+    return [label, f"largest batch {fits}", f"total {format_bytes(report.total_bytes(fits))} at B={fits}"]
 
 
 def _saved_tensor_dict(t: Any, batch: int) -> dict[str, Any]:

@@ -103,7 +103,7 @@ def slow_conv_transpose3d_output(args: Sequence[Any], kwargs: Mapping[str, Any],
     if not transposed or inp.dim() != 5:
         return {}
     conv_args = (inp, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-    if torch._C._select_conv_backend(*conv_args) != torch._C._ConvBackend.SlowTranspose3d:
+    if torch._C._select_conv_backend(*conv_args) != torch._C._ConvBackend.SlowTranspose3d:  # type: ignore[attr-defined]
         return {}
     larger = inp if _per_sample(inp) > _per_sample(out) else out
     return {0: larger.numel() * out.element_size()}
