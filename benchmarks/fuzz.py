@@ -22,11 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import torch  # noqa: E402
-from fuzz_grammar import FEATURES, FuzzCase, GrammarError, Mismatch, check_case, fuzz_cases  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.errors import HypothesisException  # noqa: E402
+import torch
+from fuzz_grammar import FEATURES, FuzzCase, GrammarError, Mismatch, check_case, fuzz_cases
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
 
 _QUIET = list(HealthCheck)
 CASES = st.sampled_from(list(FEATURES)).flatmap(lambda feature: fuzz_cases(feature=feature))

@@ -97,9 +97,8 @@ def _account(
 
 def _same_failure(symbolic: Exception, concrete: CaptureError) -> CaptureError:
     """The symbolic pass's error (shapes written with B) when both passes failed at the same node."""
-    if isinstance(symbolic, SymbolicUnsupported) and symbolic.error is not None:
-        if symbolic.node == getattr(concrete, "node", None):
-            return symbolic.error
+    if isinstance(symbolic, SymbolicUnsupported) and symbolic.error is not None and symbolic.node == getattr(concrete, "node", None):
+        return symbolic.error
     return concrete
 
 

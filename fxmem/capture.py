@@ -182,7 +182,7 @@ class _Recorder(fx.Interpreter):
                 out = super().run_node(n)
         except (FxmemError, SymbolicUnsupported, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001 - every kernel error is reported at its node
+        except Exception as e:
             raise _node_error(n, self, e) from e
         if n.op != "output":
             self.book.claim(out, n.name)
@@ -211,7 +211,7 @@ def _target_name(n: fx.Node, gm: fx.GraphModule) -> str:
 
 def _node_info(n: fx.Node, out: object, book: _Book) -> NodeInfo:
     gm = n.graph.owning_module
-    label = lambda d: label_dim(d, book.batch_symbol, book.seq_symbol)  # noqa: E731
+    label = lambda d: label_dim(d, book.batch_symbol, book.seq_symbol)
     shape = tuple(label(d) for d in out.shape) if isinstance(out, torch.Tensor) else None
     return NodeInfo(n.name, n.op, _target_name(n, gm) if gm is not None else str(n.target), node_fqn(n), shape)
 
@@ -223,7 +223,7 @@ def _node_error(n: fx.Node, rec: _Recorder, e: Exception) -> Exception:
     SymbolicUnsupported carrying that CaptureError: if the concrete passes fail at the same node, the
     caller raises it, with shapes that show which axis is the batch.
     """
-    label = lambda d: label_dim(d, rec.book.batch_symbol, rec.book.seq_symbol)  # noqa: E731
+    label = lambda d: label_dim(d, rec.book.batch_symbol, rec.book.seq_symbol)
     args = [rec.env[a] for a in n.all_input_nodes if a in rec.env]
     shapes = ["(" + ", ".join(str(label(d)) for d in a.shape) + ")" for a in args if isinstance(a, torch.Tensor)]
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")

@@ -47,7 +47,7 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
         dynamic = _dynamic_shapes(model, specs, dims)
         with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
             program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
-    except Exception as e:  # noqa: BLE001 - every export failure becomes one readable error
+    except Exception as e:
         raise _export_error(name, model, e) from e
     gm = program.module()
     _clean(gm)
@@ -88,7 +88,7 @@ def _axes(spec: InputSpec, dims: dict[str, Any]) -> dict[int, Any]:
 def _clean(gm: fx.GraphModule) -> None:
     """See Note [Cleaning an exported graph for re-execution]."""
     meta, cpu = torch.device("meta"), torch.device("cpu")
-    to_cpu = lambda a: cpu if isinstance(a, torch.device) and a == meta else a  # noqa: E731
+    to_cpu = lambda a: cpu if isinstance(a, torch.device) and a == meta else a
     for n in list(gm.graph.nodes):
         if (n.op == "call_module" and str(n.target).startswith("_guards")) or n.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(n)

@@ -61,7 +61,7 @@ def _config(transformers: Any, name: str) -> Any:
         return transformers.AutoConfig.from_pretrained(name, local_files_only=True)
     except LoadError:
         raise
-    except Exception as e:  # noqa: BLE001 - offline, unknown name, malformed file: one message for all
+    except Exception as e:
         raise LoadError(
             f"hf:{name}: cannot read its config ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}). Without "
             "network access, download the model's config.json elsewhere (only the config, no weights) and pass "

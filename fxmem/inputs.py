@@ -15,7 +15,7 @@ import torch
 
 from fxmem.errors import InputSpecError
 
-__all__ = ["BATCH", "SEQ", "InputSpec", "has_seq", "InputSpecs", "format_dims", "make_tensor", "parse_inputs", "parse_size"]
+__all__ = ["BATCH", "SEQ", "InputSpec", "InputSpecs", "format_dims", "has_seq", "make_tensor", "parse_inputs", "parse_size"]
 
 SEQ = "S"
 """The symbol of a sequence axis whose length stays symbolic (attention then brings B*S^2 terms)."""

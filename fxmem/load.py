@@ -139,7 +139,7 @@ def _import_module(target: str, label: str) -> ModuleType:
             f"{label}: cannot import module '{target}' ({e}); check the name and that it is "
             "installed or on PYTHONPATH, or give a file path such as ./my_model.py:NAME."
         ) from e
-    except Exception as e:  # noqa: BLE001 - the user's module raised while importing
+    except Exception as e:
         raise LoadError(f"{label}: importing '{target}' raised {type(e).__name__}: {e}.") from e
 
 
@@ -157,7 +157,7 @@ def _import_file(target: str, label: str) -> ModuleType:
     sys.modules[unique] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file raised while running
+    except Exception as e:
         del sys.modules[unique]
         raise LoadError(f"{label}: running '{path}' raised {type(e).__name__}: {e}.") from e
     return module
@@ -197,7 +197,7 @@ def _call_factory(factory: Callable[..., object], name: str, *, meta: bool) -> M
         ) from e
     except FxmemError:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's factory raised
+    except Exception as e:
         raise LoadError(f"model spec '{name}': the factory raised {type(e).__name__}: {e}.") from e
     return _as_spec(built, name)
 

@@ -108,7 +108,7 @@ def _table_rows(report: Report, depth: int | None, top: int | None, raw: bool) -
     fmt = (lambda n: n) if raw else format_bytes
     seq = report.seq_len is not None
     headers = ["Layer", "Op", "Output shape", *(["Bytes (B, S)"] if seq else ["Per sample", "Constant"]), at_label, "Share"]
-    bytes_of = (lambda e: [e.polynomial()]) if seq else (lambda e: [fmt(e.per_sample), fmt(e.fixed)])  # noqa: E731
+    bytes_of = (lambda e: [e.polynomial()]) if seq else (lambda e: [fmt(e.per_sample), fmt(e.fixed)])
     body = [
         [r.fqn, "+".join(r.ops)[:40], format_dims(r.output_shape) if r.output_shape else "", *bytes_of(r.saved), fmt(a), _share(a, total)]
         for r, a in zip(rows, at)
@@ -244,7 +244,7 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
             "parameters": s.parameters, "trainable_parameters": s.trainable, "weights": s.weights,
             "weights_by_dtype": dict(s.weights_by_dtype), "buffers": s.buffers, "gradients": s.gradients,
             "optimizer": s.optimizer, "optimizer_name": s.optimizer_name, "total": s.total,
-        },  # fmt: skip
+        },
         "activations": _expr_dict(report.activations),
         "nodes": [_node_dict(n) for n in report.nodes],
         "layers": [

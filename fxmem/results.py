@@ -16,7 +16,7 @@ from fxmem.errors import InputSpecError
 from fxmem.inputs import InputSpec
 from fxmem.symbolic import ByteExpr
 
-__all__ = ["Accounting", "Capture", "LayerRow", "Report", "Verdict", "Kind", "ModelSpec", "NodeInfo", "NodeRecord", "SavedTensor", "StateBytes", "Unsupported"]
+__all__ = ["Accounting", "Capture", "Kind", "LayerRow", "ModelSpec", "NodeInfo", "NodeRecord", "Report", "SavedTensor", "StateBytes", "Unsupported", "Verdict"]
 
 
 class Kind(StrEnum):

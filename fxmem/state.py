@@ -28,7 +28,7 @@ def get_optimizer(name: str, rules: Registry[str, OptimizerRule] = OPTIMIZERS) -
 def state_bytes(model: nn.Module, *, optimizer: OptimizerRule, param_dtype: torch.dtype | None = None) -> StateBytes:
     """Count weights, buffers, gradients and optimizer state; ``param_dtype`` overrides floating params' dtype."""
     params = list(model.parameters())  # unique by identity: tied weights once
-    size = lambda p: torch.empty((), dtype=_dtype(p, param_dtype)).element_size()  # noqa: E731
+    size = lambda p: torch.empty((), dtype=_dtype(p, param_dtype)).element_size()
     by_dtype: Counter[str] = Counter()
     for p in params:
         by_dtype[dtype_name(_dtype(p, param_dtype))] += p.numel() * size(p)

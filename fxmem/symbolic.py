@@ -46,7 +46,7 @@ class ByteExpr:
 
     def __add__(self, other: ByteExpr) -> ByteExpr:
         n = max(len(self.higher), len(other.higher))
-        pad = lambda h: h + (0,) * (n - len(h))  # noqa: E731
+        pad = lambda h: h + (0,) * (n - len(h))
         higher = tuple(a + b for a, b in zip(pad(self.higher), pad(other.higher)))
         seq: dict[tuple[int, int], int] = defaultdict(int)
         for i, j, c in (*self.seq_terms, *other.seq_terms):

@@ -83,7 +83,7 @@ def _fx_trace(model: nn.Module, name: str, leaf_types: Sequence[type]) -> fx.Gra
         return _single_node_graph(model)
     try:
         graph = tracer.trace(model)
-    except Exception as e:  # noqa: BLE001 - every tracing failure becomes one readable error
+    except Exception as e:
         raise _trace_error(name, model, tracer, e) from e
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "MLP", "SelfAttention"]
+__all__ = ["MLP", "Block", "SelfAttention"]
 
 
 class SelfAttention(nn.Module):

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fuzz_grammar import FEATURES, FuzzCase, check_case, fuzz_cases  # noqa: E402
+from fuzz_grammar import FEATURES, FuzzCase, check_case, fuzz_cases
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
 settings.register_profile(

@@ -12,7 +12,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fxmem.rules.onednn_rnn import (  # noqa: E402
+from fxmem.rules.onednn_rnn import (
     get_good_ld,
     lstm_workspace_bytes,
     uses_onednn_workspace,

@@ -16,7 +16,7 @@ import torch
 from fxmem.rules import Registry
 from fxmem.rules.onednn_rnn import lstm_workspace_bytes
 
-__all__ = ["OP_RULES", "register_op_rule", "op_rules_for"]
+__all__ = ["OP_RULES", "op_rules_for", "register_op_rule"]
 
 OpKey = tuple[str, str]
 """(aten op packet, e.g. ``'aten.mkldnn_rnn_layer'``; device type, e.g. ``'cpu'``)."""
