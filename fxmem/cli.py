@@ -61,24 +61,23 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message, self.prog)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"'{value}' is not a positive integer; it must be 1 or more")
-    return value
+def _whole_number(minimum: int, below: str) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``minimum``, with ``below`` saying what a smaller one means."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"'{value}' {below}")
+        return value
+
+    return parse
 
 
-def _depth(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"'{value}' is negative; 0 groups everything into one row, 1 by top-level module")
-    return value
+_positive_int = _whole_number(1, "is not a positive integer; it must be 1 or more")
+_depth = _whole_number(0, "is negative; 0 groups everything into one row, 1 by top-level module")
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:

@@ -44,3 +44,13 @@ def golden(request: pytest.FixtureRequest) -> Callable[..., None]:
         assert text == path.read_text(), f"{path} differs; rerun with --overwrite if the change is intended"
 
     return check
+
+
+# --- CLI tests (tests/test_cli.py, tests/test_errors.py) ---------------------------------------------
+@pytest.fixture
+def at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Specs such as tests/models_for_errors.py:linear_8_4 are relative to the repo root; no progress lines."""
+    from fxmem import cli
+
+    monkeypatch.chdir(GOLDEN.parent.parent)
+    monkeypatch.setattr(cli, "_SLOW_S", 1e9)

@@ -20,10 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MLP = "zoo:wide-mlp:test"
 
 
-@pytest.fixture(autouse=True)
-def _quiet_progress(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(cli, "_SLOW_S", 1e9)
+pytestmark = pytest.mark.usefixtures("at_repo_root")
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -25,11 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 M = "tests/models_for_errors.py"
 
 
-@pytest.fixture(autouse=True)
-def _from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Specs such as tests/models_for_errors.py:linear_8_4 are relative to the repo root; no progress lines."""
-    monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(cli, "_SLOW_S", 1e9)
+pytestmark = pytest.mark.usefixtures("at_repo_root")
 
 
 def error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
