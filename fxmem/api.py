@@ -42,23 +42,26 @@ def analyze(
     >>> report.activations   # Linear keeps its input (input batch, not counted); ReLU keeps its 4 outputs
     ByteExpr(per_sample=16, fixed=0)
 
-    ``progress``, if given, is called with a short phrase as each stage starts ("tracing with torch.fx");
-    the CLI shows these for stages that take long. The library itself never prints.
+    ``inputs`` mark the batch axis B (and optionally a sequence axis S, evaluated at ``seq_len``).
+    ``frontend`` is "auto" (torch.fx, else torch.export), "fx" or "export"; ``strict`` turns saved
+    sizes that depend on the data into an error instead of 0 B listed as unsupported. The model is put
+    in train mode, as the step it describes runs. ``progress``, if given, is called with a short
+    phrase as each stage starts; the CLI shows these for stages that take long. The library never prints.
     """
     name = name or type(model).__name__
     specs, loss_fn, opt = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
     _check_batch_arg(batch)
     _check_model_args(model, leaf_types)
+    seq = _seq_len(specs, seq_len)
     say = progress or _silent
     model.train()
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    seq = _seq_len(specs, seq_len)
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict)
     say("counting model state")
     state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
-    evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq)
+    evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict)
     return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate)
 
 
@@ -144,10 +147,10 @@ def _silent(_message: str) -> None:
 
 
 def _concrete_evaluator(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, seq: int | None
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, seq: int | None, strict: bool
 ) -> Callable[[int], Mapping[str, int]]:
     """Exact bytes per node at any B by one more concrete fake pass (see Note [Concrete passes])."""
-    run = _pass(gm, specs, loss, name)
+    run = _pass(gm, specs, loss, name, strict)
 
     def evaluate(batch: int) -> Mapping[str, int]:
         out: dict[str, int] = {}

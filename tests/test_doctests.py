@@ -1,0 +1,18 @@
+"""The examples in docstrings are real: each module's doctests run here."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import fxmem
+import fxmem.api
+import fxmem.inputs
+import fxmem.symbolic
+
+
+@pytest.mark.parametrize("module", [fxmem, fxmem.api, fxmem.inputs, fxmem.symbolic], ids=lambda m: m.__name__)
+def test_docstring_examples(module: object) -> None:
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)  # type: ignore[arg-type]
+    assert result.attempted > 0 and result.failed == 0
