@@ -39,7 +39,10 @@ _SECURITY = (
     "permissions, exactly as 'python file.py' would, so load only code you trust. fxmem itself never loads "
     "weights or unpickles anything: models are built on the meta device."
 )
-_SPEC_HELP = "zoo:NAME (see 'fxmem zoo'; zoo:NAME:test for its small config), package.module:factory, or path/to/file.py:factory"
+_SPEC_HELP = (
+    "zoo:NAME (see 'fxmem zoo'; zoo:NAME:test for its small config), hf:NAME or hf:path/config.json "
+    "(Hugging Face, from the config alone), package.module:factory, or path/to/file.py:factory"
+)
 _LEAF_HELP = (
     "keep modules of this class opaque (one node) when tracing: a class name from the model or torch.nn "
     "(e.g. MultiheadAttention), or package.module:ClassName; repeat for several"
