@@ -16,8 +16,10 @@ Note [Counting storages once]
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,7 +298,7 @@ def capture_saved(
         s = _new_symbol(shape_env, "S", _SEQ_HINT) if seq is None and has_seq(specs) else seq
         inputs = [make_tensor(spec, b, s) for spec in specs]
     symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
-    with swapped_state(gm, lambda t: _under(mode, fake_like, t)):
+    with swapped_state(gm, lambda t: _under(mode, fake_like, t)), _quiet_fake_tensor_log():
         book = _new_book(gm, inputs, symbols.get("B"), symbols.get("S"))
         book.strict = strict
         values = bind_inputs(gm, specs, inputs, model)
@@ -311,6 +313,20 @@ def capture_saved(
         raise SymbolicUnsupported(str(e)) from e
     unsupported = tuple(Unsupported(node, _fqn_of(infos, node), why) for node, why in book.unsupported)
     return Capture(batch, tuple(infos), saved, book.input_bytes(), unsupported)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a full traceback for a kernel that fails on fake inputs. fxmem handles each
+    such failure itself (a fallback to concrete passes, or a CaptureError naming the node), so the log
+    would only bury the outcome; it is silenced for the length of a fake pass."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _under(mode: FakeTensorMode, fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:

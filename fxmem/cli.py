@@ -9,12 +9,10 @@ Stages that run long show progress on stderr; see ``_Progress``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn, TextIO
 
 import torch
@@ -251,24 +249,10 @@ def _zoo(_args: argparse.Namespace, say: Callable[[str], None]) -> str:
 _COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]] = {"analyze": _analyze, "measure": _measure, "zoo": _zoo}
 
 
-@contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """FakeTensorMode logs a full traceback for a kernel that fails on fake inputs; fxmem reports that
-    failure itself (a CaptureError naming the node), so the log would only bury the one-line message."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _run(args: argparse.Namespace) -> str:
     progress = _Progress(sys.stderr)
     try:
-        with _quiet_fake_tensor_log():
-            return _COMMANDS[args.command](args, progress)
+        return _COMMANDS[args.command](args, progress)
     finally:
         progress.close()
 
