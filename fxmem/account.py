@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from fxmem.results import Accounting, Capture, Kind, NodeInfo, NodeRecord, SavedTensor, Unsupported
 from fxmem.symbolic import ByteExpr, fit_linear
 
-__all__ = ["Accounting", "account_bytes", "activation_total"]
+__all__ = ["Accounting", "account_bytes", "activation_total", "node_bytes_at"]
 
 FIT_BATCHES = (2, 3)
 """Concrete batch sizes that fix a*B + c when the symbolic pass cannot run (see Note [Concrete passes])."""
@@ -43,7 +43,8 @@ def _by_node(capture: Capture) -> dict[str, list[SavedTensor]]:
     return charged
 
 
-def _bytes_at(capture: Capture) -> dict[str, int]:
+def node_bytes_at(capture: Capture) -> dict[str, int]:
+    """Activation bytes per node of a concrete pass (measure.py's real run, or a fake one)."""
     assert capture.batch is not None
     return {node: sum(s.nbytes.at(capture.batch) for s in ts) for node, ts in _by_node(capture).items()}
 
@@ -52,7 +53,7 @@ def account_bytes(
     symbolic: Capture | None, concrete: Mapping[int, Capture], *, note: str = "", batch_one_error: str = ""
 ) -> Accounting:
     """Merge a symbolic pass (if it ran) with concrete passes into one record per node."""
-    exact = {b: _bytes_at(c) for b, c in concrete.items()}
+    exact = {b: node_bytes_at(c) for b, c in concrete.items()}
     if symbolic is not None:
         lines = {node: ByteExpr.total(s.nbytes for s in ts) for node, ts in _by_node(symbolic).items()}
         base, linear, method = symbolic, True, "symbolic"

@@ -7,12 +7,12 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import fx, nn
 
-from fxmem.account import FIT_BATCHES, VERIFY_BATCH, account_bytes
+from fxmem.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
 from fxmem.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
 from fxmem.errors import CaptureError, InputSpecError
-from fxmem.inputs import InputSpec, InputSpecs, has_seq, parse_inputs
+from fxmem.inputs import InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.losses import Loss, get_loss
-from fxmem.results import Accounting, Capture, Kind, Report
+from fxmem.results import Accounting, Capture, Report
 from fxmem.rules.ops import op_rules_for
 from fxmem.state import get_optimizer, state_bytes
 from fxmem.tracing import trace_model
@@ -50,7 +50,7 @@ def analyze(
     """
     name = name or type(model).__name__
     specs, loss_fn, opt = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
-    _check_batch_arg(batch)
+    check_batch(batch)
     _check_model_args(model, leaf_types)
     seq = _seq_len(specs, seq_len)
     say = progress or _silent
@@ -152,19 +152,7 @@ def _concrete_evaluator(
     """Exact bytes per node at any B by one more concrete fake pass (see Note [Concrete passes])."""
     run = _pass(gm, specs, loss, name, strict)
 
-    def evaluate(batch: int) -> Mapping[str, int]:
-        out: dict[str, int] = {}
-        for s in run(batch, seq).saved:
-            if s.kind == Kind.ACTIVATION:
-                out[s.node] = out.get(s.node, 0) + s.nbytes.at(batch)
-        return out
-
-    return evaluate
-
-
-def _check_batch_arg(batch: int) -> None:
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise InputSpecError(f"--batch must be a positive integer, got {batch!r}.")
+    return lambda batch: node_bytes_at(run(batch, seq))
 
 
 def _check_model_args(model: object, leaf_types: Iterable[object]) -> None:

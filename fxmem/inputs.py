@@ -15,7 +15,7 @@ import torch
 
 from fxmem.errors import InputSpecError
 
-__all__ = ["BATCH", "SEQ", "InputSpec", "InputSpecs", "format_dims", "has_seq", "make_tensor", "parse_inputs", "parse_size"]
+__all__ = ["BATCH", "SEQ", "InputSpec", "InputSpecs", "check_batch", "format_dims", "has_seq", "make_tensor", "parse_inputs", "parse_size"]
 
 SEQ = "S"
 """The symbol of a sequence axis whose length stays symbolic (attention then brings B*S^2 terms)."""
@@ -161,6 +161,12 @@ def _check_dims(dims: tuple[int | str, ...], text: str) -> tuple[int | str, ...]
             "(or '128,B,512' for sequence-first models)."
         )
     return dims
+
+
+def check_batch(batch: object) -> None:
+    """A batch size given by the user (--batch, analyze(batch=), report.activation_bytes(B)) is a positive int."""
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise InputSpecError(f"batch must be a positive integer, got {batch!r}.")
 
 
 def has_seq(specs: Sequence[InputSpec]) -> bool:

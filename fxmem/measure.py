@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fxmem.account import node_bytes_at
 from fxmem.capture import record_real
-from fxmem.errors import InputSpecError
-from fxmem.inputs import InputSpec, InputSpecs, make_tensor, parse_inputs
+from fxmem.errors import CaptureError, FxmemError
+from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_tensor, parse_inputs
 from fxmem.losses import Loss, get_loss
-from fxmem.results import Kind
 from fxmem.tracing import trace_model
 
 __all__ = ["Measurement", "materialize", "measure"]
@@ -59,19 +59,24 @@ def measure(
     ``leaf_types`` and ``frontend`` must be the ones given to ``analyze`` so that the per-node split uses
     the same graph.
     """
-    if not isinstance(batch, int) or batch < 1:
-        raise InputSpecError(f"batch must be a positive integer, got {batch!r}.")
+    check_batch(batch)
     specs, loss_fn = parse_inputs(inputs), get_loss(loss)
     torch.manual_seed(seed)
     real = materialize(model).train()
-    total = _eager_total(real, specs, loss_fn, batch, seq_len)
+    try:
+        total = _eager_total(real, specs, loss_fn, batch, seq_len)
+    except FxmemError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CaptureError(
+            f"model '{type(model).__name__}': the real CPU run at B={batch} failed ({type(e).__name__}: {first}); "
+            "fake tensors cannot see this (they carry shapes, not values), so check the --input shapes and values "
+            "the model expects (token ids are zeros, sequence lengths within its context)."
+        ) from e
     traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
     capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch, seq=seq_len)
-    nodes: dict[str, int] = defaultdict(int)
-    for s in capture.saved:
-        if s.kind == Kind.ACTIVATION:
-            nodes[s.node] += s.nbytes.at(batch)
-    return Measurement(batch, total, dict(nodes))
+    return Measurement(batch, total, node_bytes_at(capture))
 
 
 def materialize(model: nn.Module) -> nn.Module:

@@ -12,8 +12,7 @@ from enum import StrEnum
 
 from torch import nn
 
-from fxmem.errors import InputSpecError
-from fxmem.inputs import InputSpec
+from fxmem.inputs import InputSpec, check_batch
 from fxmem.symbolic import ByteExpr
 
 __all__ = ["Accounting", "Capture", "Kind", "LayerRow", "ModelSpec", "NodeInfo", "NodeRecord", "Report", "SavedTensor", "StateBytes", "Unsupported", "Verdict"]
@@ -223,7 +222,7 @@ class Report:
 
     def node_bytes(self, batch: int) -> Mapping[str, int]:
         """Exact activation bytes per node at ``batch``."""
-        _check_batch(batch)
+        check_batch(batch)
         if all(batch in n.exact for n in self.nodes) or self.accounting.linear or self.evaluate is None:
             return {n.name: n.at(batch, self.seq_len) for n in self.nodes}
         if batch not in self._cache:
@@ -234,7 +233,7 @@ class Report:
         return sum(self.node_bytes(batch).values())
 
     def input_bytes(self, batch: int) -> int:
-        _check_batch(batch)
+        check_batch(batch)
         return self.accounting.inputs.at(batch, self.seq_len)
 
     def total_bytes(self, batch: int) -> int:
@@ -268,11 +267,6 @@ class Report:
         from fxmem.report import render
 
         return render(self)
-
-
-def _check_batch(batch: int) -> None:
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise InputSpecError(f"batch must be a positive integer, got {batch!r}.")
 
 
 def _largest_fitting(total: Callable[[int], int], budget: int) -> int:

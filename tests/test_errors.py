@@ -242,3 +242,10 @@ def test_analyze_checks_its_arguments() -> None:
         analyze("zoo:wide-mlp", ["B,8"])  # type: ignore[arg-type]
     with pytest.raises(FxmemError, match="leaf_types must hold nn.Module classes, got 'Linear'"):
         analyze(torch.nn.Linear(8, 4), ["B,8"], leaf_types=("Linear",))  # type: ignore[arg-type]
+
+
+def test_a_real_run_that_fails_is_one_paragraph(capsys: pytest.CaptureFixture[str]) -> None:
+    # The test GPT's context is 16 positions; fake tensors carry no values, so only the real run of
+    # `measure` sees that 64 positions index past the position embedding.
+    line = error_line(capsys, "measure", "zoo:gpt2-small:test", "--input", "B,S:int64", "--seq-len", "64", "--batch", "2")
+    assert "the real CPU run at B=2 failed" in line and "IndexError" in line
