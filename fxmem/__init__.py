@@ -14,12 +14,13 @@ from fxmem.errors import (
     InputSpecError,
     LoadError,
     NonLinearBatchError,
+    NotSimulatedError,
     TraceError,
 )
 from fxmem.inputs import InputSpec, parse_inputs, parse_size
 from fxmem.load import load_model
-from fxmem.measure import Measurement, measure
-from fxmem.results import Kind, ModelSpec, NodeRecord, Report, StateBytes
+from fxmem.measure import Measurement, PeakMeasurement, measure, measure_peak
+from fxmem.results import Category, EnvelopePiece, Kind, MemoryEvent, ModelSpec, NodeRecord, Peak, Phase, Report, StateBytes, Timeline
 from fxmem.rules.ops import register_op_rule
 from fxmem.rules.optimizers import OptimizerRule, register_optimizer
 from fxmem.symbolic import ByteExpr
@@ -29,24 +30,33 @@ __version__ = "0.1.0"
 __all__ = [
     "ByteExpr",
     "CaptureError",
+    "Category",
     "DuplicateRuleError",
+    "EnvelopePiece",
     "FxmemError",
     "InputSpec",
     "InputSpecError",
     "Kind",
     "LoadError",
     "Measurement",
+    "MemoryEvent",
     "ModelSpec",
     "NodeRecord",
     "NonLinearBatchError",
+    "NotSimulatedError",
     "OptimizerRule",
+    "Peak",
+    "PeakMeasurement",
+    "Phase",
     "Report",
     "StateBytes",
+    "Timeline",
     "TraceError",
     "__version__",
     "analyze",
     "load_model",
     "measure",
+    "measure_peak",
     "parse_inputs",
     "parse_size",
     "register_op_rule",

@@ -12,9 +12,12 @@ from fxmem.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.losses import Loss, get_loss
-from fxmem.results import Accounting, Capture, Report
-from fxmem.rules.ops import op_rules_for
+from fxmem.peak import StepPeaks
+from fxmem.results import Accounting, Capture, Report, Timeline
+from fxmem.rules.ops import op_rules_for, workspace_rules_for
+from fxmem.rules.optimizers import OptimizerRule
 from fxmem.state import get_optimizer, state_bytes
+from fxmem.timeline import simulate_step
 from fxmem.tracing import trace_model
 
 __all__ = ["analyze"]
@@ -34,6 +37,7 @@ def analyze(
     frontend: str = "auto",
     seq_len: int | None = None,
     strict: bool = False,
+    peak: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
@@ -47,6 +51,8 @@ def analyze(
     sizes that depend on the data into an error instead of 0 B listed as unsupported. The model is put
     in train mode, as the step it describes runs. ``progress``, if given, is called with a short
     phrase as each stage starts; the CLI shows these for stages that take long. The library never prints.
+    ``peak`` simulates the whole training step (forward, loss, backward, optimizer step) for its
+    peak, which ``max_batch`` and ``device_memory`` then use; ``peak=False`` skips it.
     """
     name = name or type(model).__name__
     specs, loss_fn, opt = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
@@ -62,7 +68,34 @@ def analyze(
     say("counting model state")
     state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict)
-    return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate)
+    steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq) if peak else None
+    return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps)
+
+
+def _simulate_steps(
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, opt: OptimizerRule, name: str, say: Callable[[str], None], seq: int | None
+) -> StepPeaks:
+    """The training step's timeline: one symbolic pass plus B=1, or concrete passes on demand."""
+    rules, workspaces = op_rules_for("cpu"), workspace_rules_for("cpu")
+
+    def run(batch: int | None) -> Timeline:
+        s = seq if batch is not None else None
+        return simulate_step(gm, specs, loss=loss, optimizer=opt, batch=batch, rules=rules, workspaces=workspaces, model=name, seq=s)
+
+    symbolic, note = None, ""
+    try:
+        say("simulating the training step (symbolic pass, batch B)")
+        symbolic = run(None)
+    except (SymbolicUnsupported, BatchSpecialized) as e:
+        note = f"the step is simulated at each batch size asked ({e})"
+    say("simulating the training step at B=1")
+    try:
+        exact, why_not_one = {1: run(1)}, ""
+    except CaptureError as e:
+        if symbolic is None:
+            raise
+        exact, why_not_one = {}, str(e)
+    return StepPeaks(symbolic, exact, run, seq, note, why_not_one)
 
 
 def _account(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,18 @@ from fxmem.losses import Loss
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
 from fxmem.symbolic import ByteExpr, DataDependentBytes, label_dim, to_byte_expr
 
-__all__ = ["BatchSpecialized", "OpRule", "SymbolicUnsupported", "capture_saved", "node_fqn", "record_real"]
+__all__ = [
+    "BatchSpecialized",
+    "FakeBatch",
+    "OpRule",
+    "SymbolicUnsupported",
+    "capture_saved",
+    "fake_batch",
+    "node_error",
+    "node_fqn",
+    "quiet_fake_tensor_log",
+    "record_real",
+]
 
 _BATCH_HINT = 8
 """The value ShapeEnv assumes for B when a kernel asks; any value above 1 avoids 0/1 specialization."""
@@ -185,7 +196,7 @@ class _Recorder(fx.Interpreter):
         except (FxmemError, SymbolicUnsupported, KeyboardInterrupt):
             raise
         except Exception as e:
-            raise _node_error(n, self, e) from e
+            raise node_error(n, self.env, (self.book.batch_symbol, self.book.seq_symbol), self.model_name, e) from e
         if n.op != "output":
             self.book.claim(out, n.name)
             self.infos.append(_node_info(n, out, self.book))
@@ -218,26 +229,27 @@ def _node_info(n: fx.Node, out: object, book: _Book) -> NodeInfo:
     return NodeInfo(n.name, n.op, _target_name(n, gm) if gm is not None else str(n.target), node_fqn(n), shape)
 
 
-def _node_error(n: fx.Node, rec: _Recorder, e: Exception) -> Exception:
+def node_error(n: fx.Node, env: Mapping[fx.Node, Any], symbols: tuple[Any, Any], model: str, e: Exception) -> Exception:
     """A CaptureError naming the node, its module, source line and input shapes (B and S written as such).
 
-    In a symbolic pass the failure may be the symbolic sizes' fault, so it is raised as
-    SymbolicUnsupported carrying that CaptureError: if the concrete passes fail at the same node, the
-    caller raises it, with shapes that show which axis is the batch.
+    ``env`` holds the values computed so far; ``symbols`` are the pass's (B, S) sympy symbols, None
+    where the axis is concrete. In a symbolic pass the failure may be the symbolic sizes' fault, so it
+    is raised as SymbolicUnsupported carrying that CaptureError: if the concrete passes fail at the
+    same node, the caller raises it, with shapes that show which axis is the batch.
     """
-    label = lambda d: label_dim(d, rec.book.batch_symbol, rec.book.seq_symbol)
-    args = [rec.env[a] for a in n.all_input_nodes if a in rec.env]
+    label = lambda d: label_dim(d, *symbols)
+    args = [env[a] for a in n.all_input_nodes if a in env]
     shapes = ["(" + ", ".join(str(label(d)) for d in a.shape) + ")" for a in args if isinstance(a, torch.Tensor)]
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300].rstrip(".")
-    for symbol, name in ((rec.book.batch_symbol, "B"), (rec.book.seq_symbol, "S")):
+    for symbol, name in zip(symbols, ("B", "S")):
         if symbol is not None:  # torch's text names ShapeEnv symbols (s44); the user knows them as B and S
             first = re.sub(rf"\b{symbol}\b", name, first)
     error = CaptureError(
-        f"model '{rec.model_name}': node '{n.name}' ({n.format_node()}) in module '{node_fqn(n) or '(top level)'}'"
+        f"model '{model}': node '{n.name}' ({n.format_node()}) in module '{node_fqn(n) or '(top level)'}'"
         f"{_source_line(n)} failed on input shapes {', '.join(shapes) or '(none)'}: "
         f"{type(e).__name__}: {first}. Check that the --input shapes match what this layer expects."
     )
-    if rec.book.batch_symbol is not None or rec.book.seq_symbol is not None:
+    if any(symbol is not None for symbol in symbols):
         return SymbolicUnsupported(f"{n.name}: {first}", node=n.name, error=error)
     error.node = n.name  # type: ignore[attr-defined]
     return error
@@ -291,22 +303,14 @@ def capture_saved(
     Inputs with a sequence axis S get ``seq``, or one symbolic S when ``seq`` is None.
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B (and S).
     """
-    shape_env = ShapeEnv()
-    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
-    with mode:
-        b = _new_symbol(shape_env, "B", _BATCH_HINT) if batch is None else batch
-        s = _new_symbol(shape_env, "S", _SEQ_HINT) if seq is None and has_seq(specs) else seq
-        inputs = [make_tensor(spec, b, s) for spec in specs]
-    symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
-    with swapped_state(gm, lambda t: _under(mode, fake_like, t)), _quiet_fake_tensor_log():
-        book = _new_book(gm, inputs, symbols.get("B"), symbols.get("S"))
+    fake = fake_batch(specs, batch, seq)
+    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log():
+        book = _new_book(gm, fake.inputs, fake.symbols.get("B"), fake.symbols.get("S"))
         book.strict = strict
-        values = bind_inputs(gm, specs, inputs, model)
-        with mode, OpRuleMode(rules, book.overrides):
+        values = bind_inputs(gm, specs, fake.inputs, model)
+        with fake.mode, OpRuleMode(rules, book.overrides):
             infos = _run(gm, book, values, loss, model)
-    for name, symbol in symbols.items():
-        if shape_env.replacements.get(symbol) is not None:
-            raise BatchSpecialized(f"the model fixed {name} to {shape_env.replacements[symbol]}")
+    fake.check_symbols()
     try:
         saved = book.saved_tensors()
     except ValueError as e:  # bytes like floor(B/3): not a polynomial, so concrete passes take over
@@ -315,8 +319,43 @@ def capture_saved(
     return Capture(batch, tuple(infos), saved, book.input_bytes(), unsupported)
 
 
+@dataclass
+class FakeBatch:
+    """A FakeTensorMode with its ShapeEnv, and the fake input batch: B (and S) symbolic where asked."""
+
+    mode: FakeTensorMode
+    shape_env: ShapeEnv
+    inputs: list[torch.Tensor]
+    symbols: dict[str, Any]
+    """Sympy symbols by name ("B", "S") for the axes that are symbolic in this pass."""
+
+    def state_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A fake copy of a parameter or buffer, static in every axis (for ``swapped_state``)."""
+        with self.mode:
+            return fake_like(t)
+
+    def check_symbols(self) -> None:
+        """Raise BatchSpecialized when the model guarded a symbol down to a constant during the pass."""
+        for name, symbol in self.symbols.items():
+            if self.shape_env.replacements.get(symbol) is not None:
+                raise BatchSpecialized(f"the model fixed {name} to {self.shape_env.replacements[symbol]}")
+
+
+def fake_batch(specs: Sequence[InputSpec], batch: int | None, seq: int | None) -> FakeBatch:
+    """Fake inputs at a concrete ``batch``, or with one symbol B for every batch axis when it is None;
+    the same for the sequence axis S (``seq``) where an input has one."""
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    with mode:
+        b = _new_symbol(shape_env, "B", _BATCH_HINT) if batch is None else batch
+        s = _new_symbol(shape_env, "S", _SEQ_HINT) if seq is None and has_seq(specs) else seq
+        inputs = [make_tensor(spec, b, s) for spec in specs]
+    symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
+    return FakeBatch(mode, shape_env, inputs, symbols)
+
+
 @contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
+def quiet_fake_tensor_log() -> Iterator[None]:
     """FakeTensorMode logs a full traceback for a kernel that fails on fake inputs. fxmem handles each
     such failure itself (a fallback to concrete passes, or a CaptureError naming the node), so the log
     would only bury the outcome; it is silenced for the length of a fake pass."""
@@ -327,11 +366,6 @@ def _quiet_fake_tensor_log() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def _under(mode: FakeTensorMode, fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
-    with mode:
-        return fn(t)
 
 
 def _fqn_of(infos: Sequence[NodeInfo], node: str) -> str:

@@ -1,4 +1,4 @@
-"""The command line: ``fxmem analyze``, ``fxmem measure``, ``fxmem zoo``. The only module that prints.
+"""The command line: ``fxmem analyze``, ``measure``, ``timeline``, ``zoo``. The only module that prints.
 
 Every mistake a user can make ends the same way: one line on stderr starting ``fxmem: error:``, exit
 status 2, no traceback. That covers FxmemError from the library and argparse's own usage errors.
@@ -23,9 +23,9 @@ from fxmem.errors import FxmemError, InputSpecError
 from fxmem.inputs import parse_dtype, parse_inputs, parse_size
 from fxmem.load import load_leaf_types, load_model
 from fxmem.losses import LOSSES
-from fxmem.measure import materialize, measure
-from fxmem.report import FORMATS, format_bytes, render
-from fxmem.results import ModelSpec, Report
+from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
+from fxmem.report import FORMATS, format_bytes, render, render_timeline
+from fxmem.results import ModelSpec, Peak, Report
 from fxmem.rules.optimizers import OPTIMIZERS
 from fxmem.state import get_optimizer
 from fxmem.tracing import FRONTENDS
@@ -105,11 +105,23 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
     a.add_argument("--format", choices=FORMATS, default="table")
     a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
+    a.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
+    a.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
     m = sub.add_parser("measure", help="run one real forward on the CPU and print measured beside predicted, per layer",
                        description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
                        "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
     _model_options(m)
     m.add_argument("--batch", type=_positive_int, default=2, help="the batch size of the real run (default 2)")
+    m.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step with torch.profiler instead of the saved activations")
+    m.add_argument("--optimizer", default="adamw", help="with --peak: the optimizer of the step (default adamw)")
+    m.add_argument("--first-step", action="store_true", help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)")
+    t = sub.add_parser("timeline", help="simulate one training step and show its memory over time, phase by phase",
+                       description="Simulate one training step on fake tensors and show its memory phase by phase: where it peaks and what is alive there.", epilog=_SECURITY)  # fmt: skip
+    _model_options(t)
+    t.add_argument("--batch", type=_positive_int, default=32, help="the batch size (default 32)")
+    t.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
+    t.add_argument("--first-step", action="store_true", help="the first step, which creates the optimizer state (default: a steady step)")
+    t.add_argument("--plot", metavar="FILE.png", help="draw the memory over time by category (needs matplotlib: pip install 'fxmem[plot]')")
     sub.add_parser("zoo", help="list the zoo's models with their parameters and default inputs")
     return parser
 
@@ -199,12 +211,22 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
-        seq_len=args.seq_len, strict=args.strict, progress=say,
+        seq_len=args.seq_len, strict=args.strict, peak=not args.no_peak, progress=say,
     )  # fmt: skip
-    return render(report, args.format, depth=args.depth, top=args.top)
+    text = render(report, args.format, depth=args.depth, top=args.top)
+    if args.plot:
+        from fxmem.plot import plot_batches
+
+        say(f"drawing {args.plot}")
+        plot_batches(report, args.plot)
+        if args.format != "json":
+            text += f"\nWrote {args.plot}.\n"
+    return text
 
 
 def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    if args.peak:
+        return _measure_peak(args, say)
     spec = _load(args, say)
     leaves = load_leaf_types(args.leaf, spec.model)
     report = analyze(
@@ -232,6 +254,56 @@ def _comparison(report: Report, nodes: dict[str, int], total: int, batch: int) -
     return f"{table}\n\nActivations at B={batch}: measured {total} B, predicted {pred_total} B: {verdict}.\n"
 
 
+def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer: str) -> tuple[ModelSpec, Report]:
+    """Load the model and analyze it with its simulated step, for ``measure --peak`` and ``timeline``."""
+    spec = _load(args, say)
+    report = analyze(
+        spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, batch=args.batch, name=args.spec,
+        leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend, seq_len=args.seq_len, progress=say,
+    )  # fmt: skip
+    return spec, report
+
+
+def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    opt = get_optimizer(args.optimizer).name
+    spec, report = _step_report(args, say, opt)
+    predicted = report.peak(args.batch, first_step=args.first_step)
+    say(f"running one training step for real on the CPU at B={args.batch}")
+    measured = measure_peak(
+        materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step, seq_len=report.seq_len
+    )
+    return _peak_comparison(predicted, measured)
+
+
+def _peak_comparison(predicted: Peak, measured: PeakMeasurement) -> str:
+    """Measured and predicted peak side by side, each split by its own categories (the profiler's and fxmem's)."""
+    step = "first step" if predicted.first_step else "steady step"
+    rows = [["Peak", format_bytes(measured.bytes), format_bytes(predicted.bytes)], ["Phase", measured.phase.value, predicted.phase.value]]
+    names = sorted({*measured.breakdown, *(c.value.replace(" ", "_") for c in predicted.breakdown)})
+    ours = {c.value.replace(" ", "_"): n for c, n in predicted.breakdown.items()}
+    rows += [[f"  {name}", format_bytes(measured.breakdown.get(name, 0)), format_bytes(ours.get(name, 0))] for name in names]
+    table = tabulate(rows, headers=["", f"Measured (torch.profiler, {step}, B={measured.batch})", "Predicted (fxmem)"], disable_numparse=True)
+    error = 100 * (predicted.bytes - measured.bytes) / measured.bytes if measured.bytes else 0.0
+    return (
+        f"{table}\n\nPeak at B={measured.batch}: measured {measured.bytes} B, predicted {predicted.bytes} B ({error:+.2f}%); "
+        f"predicted at {predicted.node}. Categories are each side's own: the profiler calls some "
+        "of the step's buffers autograd_detail or unknown.\n"
+    )
+
+
+def _timeline(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    _spec, report = _step_report(args, say, get_optimizer(args.optimizer).name)
+    timeline = report.timeline(args.batch, first_step=args.first_step)
+    text = render_timeline(timeline, report.peak(args.batch, first_step=args.first_step), args.batch, report.seq_len, args.spec)
+    if args.plot:
+        from fxmem.plot import plot_timeline
+
+        say(f"drawing {args.plot}")
+        plot_timeline(timeline, args.plot, title=args.spec, seq=report.seq_len, batch=args.batch)
+        text += f"\nWrote {args.plot}.\n"
+    return text
+
+
 def _zoo(_args: argparse.Namespace, say: Callable[[str], None]) -> str:
     from models_zoo import ZOO
 
@@ -246,7 +318,12 @@ def _zoo(_args: argparse.Namespace, say: Callable[[str], None]) -> str:
     return table + "\n"
 
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]] = {"analyze": _analyze, "measure": _measure, "zoo": _zoo}
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]] = {
+    "analyze": _analyze,
+    "measure": _measure,
+    "timeline": _timeline,
+    "zoo": _zoo,
+}
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -281,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     if args.command is None:
-        return _error("name a command: analyze, measure or zoo; see 'fxmem --help'.")
+        return _error("name a command: analyze, measure, timeline or zoo; see 'fxmem --help'.")
     try:
         text = _run(args)
     except FxmemError as e:

@@ -65,3 +65,7 @@ class NonLinearBatchError(FxmemError):
 
 class DuplicateRuleError(FxmemError):
     """A registry key was registered twice."""
+
+
+class NotSimulatedError(FxmemError):
+    """The step's peak was asked of a report made without simulating the step (``peak=False``)."""

@@ -7,10 +7,30 @@ groups them by the same module paths as ``print(model)`` shows. The graph then g
 capture stage as an fx-traced one.
 
 Note [Cleaning an exported graph for re-execution]
-    The model is exported on the meta device, so device arguments in the graph say ``meta``; they
-    become ``cpu``, the device the capture stage fakes. ``_assert_tensor_metadata`` checks and the
+    A model on the meta device that is not exported on the CPU's kernels (Note [Exporting a meta
+    model on the CPU's kernels]) leaves device arguments in the graph that say ``meta``; they become
+    ``cpu``, the device the capture stage fakes. ``_assert_tensor_metadata`` checks and the
     ``_guards_fn`` submodule re-check the export-time example inputs; they are dropped, since capture
     feeds its own symbolic or concrete batch.
+
+Note [Exporting a meta model on the CPU's kernels]
+    What a graph records depends on the strides its ops return at export time, and those depend on
+    the device: SDPA on the meta device reports the math kernel's (B, H, S, D) layout, on the CPU the
+    flash kernel's (B, S, H, D) one, so ``out.transpose(1, 2).contiguous()`` records a ``contiguous``
+    node on meta and none on the CPU (where it is a no-op). The capture stage fakes the CPU, and
+    measure exports the real CPU model, so a meta model is exported as if it were on the CPU: its
+    parameters and buffers are faked as CPU tensors (``torch.export._trace._fakify_params_buffers``,
+    private, wrapped only during the export and only if it exists), with CPU example inputs. No
+    memory is allocated; the exported program still holds the meta parameters.
+
+Note [Exporting the eager step's code paths]
+    The measured truth is the model's eager forward, and some libraries take other code paths when
+    they detect tracing (see Note [Eager code paths under torch.export] in hf_paths.py for Hugging Face
+    transformers). The export runs inside ``eager_code_paths``, which makes the data-independent ones
+    decide as in eager. Should that export fail (an eager decision that guards on a symbolic length:
+    a sliding window shorter than some S), it is exported again on the traced code paths, and should
+    that fail too, once more as before any of this: on the model's own device. The error reported is
+    the last attempt's.
 """
 
 from __future__ import annotations
@@ -27,6 +47,7 @@ from torch import nn
 from torch.fx.node import map_aggregate
 
 from fxmem.errors import TraceError
+from fxmem.hf_paths import eager_code_paths, has_eager_code_paths
 from fxmem.inputs import InputSpec
 
 __all__ = ["export_model", "export_reason"]
@@ -40,18 +61,91 @@ _EXAMPLE_SEQ = 16
 def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "model") -> fx.GraphModule:
     """Export ``model`` with the batch axis of every input as one dynamic ``Dim``; clean the graph."""
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
-    args = tuple(_example(s, device) for s in specs if s.name is None)
-    kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
     dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
     try:
         dynamic = _dynamic_shapes(model, specs, dims)
         with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
-            program = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+            program = _export_first_that_works(model, specs, dynamic, device)
     except Exception as e:
         raise _export_error(name, model, e) from e
     gm = program.module()
     _clean(gm)
     return gm
+
+
+def _export_first_that_works(model: nn.Module, specs: Sequence[InputSpec], dynamic: dict[str, Any], device: torch.device) -> Any:
+    """See Note [Exporting the eager step's code paths]: the most faithful export that succeeds; the last one's error."""
+    on_cpu, eager_paths = device.type == "meta", has_eager_code_paths()
+    attempts = list(dict.fromkeys([(on_cpu, eager_paths), (on_cpu, False), (False, False)]))  # distinct ones, in order
+    for cpu, eager in attempts[:-1]:
+        with contextlib.suppress(Exception):  # any failure: the next, less faithful attempt
+            return _export(model, specs, dynamic, device, on_cpu=cpu, eager_paths=eager)
+    cpu, eager = attempts[-1]
+    return _export(model, specs, dynamic, device, on_cpu=cpu, eager_paths=eager)
+
+
+def _export(
+    model: nn.Module, specs: Sequence[InputSpec], dynamic: dict[str, Any], device: torch.device, *, on_cpu: bool, eager_paths: bool
+) -> Any:
+    """One non-strict export: a meta model faked ``on_cpu``, transformers on its ``eager_paths``."""
+    with contextlib.ExitStack() as stack:
+        if on_cpu:
+            device = stack.enter_context(_meta_faked_on_cpu(device))
+        if eager_paths:
+            stack.enter_context(eager_code_paths(_input_names(model, specs)))
+        args = tuple(_example(s, device) for s in specs if s.name is None)
+        kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+
+
+@contextlib.contextmanager
+def _meta_faked_on_cpu(device: torch.device) -> Iterator[torch.device]:
+    """See Note [Exporting a meta model on the CPU's kernels]; yields the device for the example inputs."""
+    trace = _export_trace_module()
+    fakify = getattr(trace, "_fakify_params_buffers", None)
+    if device.type != "meta" or not callable(fakify):
+        yield device
+        return
+
+    def fakify_on_cpu(fake_mode: Any, mod: nn.Module) -> dict[str, torch.Tensor]:
+        fakes = fakify(fake_mode, mod)
+        moved: dict[int, torch.Tensor] = {}
+        for t in fakes.values():
+            if t.device.type == "meta" and id(t) not in moved:
+                moved[id(t)] = _fake_on_cpu(fake_mode, t)
+        return {key: moved.get(id(t), t) for key, t in fakes.items()}
+
+    trace._fakify_params_buffers = fakify_on_cpu
+    try:
+        yield torch.device("cpu")
+    finally:
+        trace._fakify_params_buffers = fakify
+
+
+def _export_trace_module() -> Any:
+    try:
+        import torch.export._trace as trace
+    except ImportError:
+        return None
+    return trace
+
+
+def _fake_on_cpu(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
+    """A fake CPU tensor with ``t``'s shape, strides, dtype and parameter-ness (tied ones stay one object)."""
+    with fake_mode:
+        cpu = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    cpu.requires_grad_(t.requires_grad)
+    if isinstance(t, nn.Parameter):
+        cpu._is_param = True  # what FakeTensorMode.from_tensor marks a parameter with
+    return cpu
+
+
+def _input_names(model: nn.Module, specs: Sequence[InputSpec]) -> set[str]:
+    """The forward() parameter names the inputs bind to (positional ones by position)."""
+    params = inspect.signature(model.forward).parameters
+    positional = [p.name for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unnamed = sum(1 for s in specs if s.name is None)
+    return {*positional[:unnamed], *(s.name for s in specs if s.name is not None)}
 
 
 @contextlib.contextmanager

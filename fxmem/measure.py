@@ -1,4 +1,4 @@
-"""The truth that predictions are tested against: one real forward (and loss) on the CPU.
+"""The truth that predictions are tested against: real runs on the CPU.
 
 ``measure`` materializes the weights with random values, feeds random floats and zero integers, and
 records every tensor autograd saves with ``saved_tensors_hooks``, each storage once, leaving out
@@ -6,14 +6,31 @@ parameters, buffers, inputs and targets. It does this twice, independently:
 
 - eagerly, by calling the model itself, without fx: the total a user can reproduce by hand;
 - through the traced graph, with the same recorder the fake pass uses: the per-node split.
+
+``measure_peak`` runs one whole real training step under ``torch.profiler`` and reads the step's
+peak from the profiler's raw allocation events. See Note [Reading the peak from the profiler].
+
+Note [Reading the peak from the profiler]
+    With ``profile_memory=True`` the CPU allocator reports every allocation and free to the profiler,
+    kernel-internal buffers included. The events only see what changes during the step, so the peak is
+    the bytes alive when the step starts (each storage of the weights, buffers, batch, target and, in a
+    steady step, optimizer state, counted once) plus the highest running sum of the events. The raw
+    events are read rather than the exported memory timeline, which merges events within a
+    microsecond and can hide a short spike. Each phase runs inside a ``record_function`` range, and an
+    allocation belongs to the phase whose range contains it. The category split comes from the
+    profiler's own memory profile (``MemoryProfileTimeline``), replayed up to the peak.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,9 +41,12 @@ from fxmem.capture import record_real
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_tensor, parse_inputs
 from fxmem.losses import Loss, get_loss
+from fxmem.results import Phase
+from fxmem.rules.optimizers import OptimizerRule
+from fxmem.state import get_optimizer
 from fxmem.tracing import trace_model
 
-__all__ = ["Measurement", "materialize", "measure"]
+__all__ = ["Measurement", "PeakMeasurement", "materialize", "measure", "measure_peak"]
 
 
 @dataclass(frozen=True)
@@ -142,3 +162,165 @@ def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch
             excluded.add(StorageWeakRef(target.untyped_storage()))
         loss.compute(output, target)
     return sum(n for key, n in seen.items() if key not in excluded)
+
+
+@dataclass(frozen=True)
+class PeakMeasurement:
+    """The measured peak of one real training step on the CPU (see Note [Reading the peak from the profiler])."""
+
+    batch: int
+    first_step: bool
+    bytes: int
+    phase: Phase
+    baseline: int
+    """Bytes alive when the step starts."""
+    breakdown: dict[str, int]
+    """Live bytes at the peak by the profiler's own categories (``"unknown"`` where it has none)."""
+
+
+_PHASE_RANGE = "fxmem::"
+
+
+def measure_peak(
+    model: nn.Module,
+    inputs: InputSpecs,
+    batch: int,
+    *,
+    loss: str = "sum",
+    optimizer: str = "adamw",
+    first_step: bool = False,
+    seed: int = 0,
+    seq_len: int | None = None,
+) -> PeakMeasurement:
+    """Run one real training step on the CPU at ``batch`` and measure its peak with torch.profiler.
+
+    The step is ``out = model(batch)``, the loss, ``backward()``, ``optimizer.step()`` and
+    ``zero_grad(set_to_none=True)``. A steady step (``first_step=False``) is preceded by one
+    optimizer step outside the measurement, which creates the optimizer state.
+    """
+    check_batch(batch)
+    specs, loss_fn, rule = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
+    torch.manual_seed(seed)
+    real = materialize(model).train()
+    tensors = [make_tensor(s, batch, seq_len) for s in specs]
+    args = [t for s, t in zip(specs, tensors) if s.name is None]
+    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    name = type(model).__name__
+    with torch.no_grad():  # the target's shape comes from the output; the data loader made it beforehand
+        target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
+    opt = _optimizer(real, rule, first_step)
+    held = [*real.parameters(), *real.buffers(), *tensors, *([target] if target is not None else [])]
+    held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
+    with _quiet_stderr(), _profiled() as prof:
+        _real_step(real, args, kwargs, loss_fn, target, opt, name)
+    top, at, phase = _highest(prof)
+    return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at))
+
+
+def _optimizer(model: nn.Module, rule: OptimizerRule, first_step: bool) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = rule.make(trainable if trainable else [nn.Parameter(torch.zeros(()))])  # a frozen model: an optimizer with nothing to do
+    if not first_step:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Mute file descriptor 2 while profiling: the profiler's C++ side logs its start and stop there,
+    and the library never prints."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _profiled() -> torch.profiler.profile:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    return torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True)
+
+
+def _real_step(
+    model: nn.Module, args: list[torch.Tensor], kwargs: dict[str, torch.Tensor], loss: Loss, target: torch.Tensor | None,
+    opt: torch.optim.Optimizer, name: str,
+) -> None:
+    """The step users write, each phase in a profiler range; ``out`` and the loss live until its end."""
+    with torch.profiler.record_function(_PHASE_RANGE + Phase.FORWARD.value):
+        out = model(*args, **kwargs)
+    with torch.profiler.record_function(_PHASE_RANGE + Phase.LOSS.value):
+        value = loss.compute(loss.select(out, name), target)
+    with torch.profiler.record_function(_PHASE_RANGE + Phase.BACKWARD.value):
+        value.backward()
+    with torch.profiler.record_function(_PHASE_RANGE + Phase.OPTIMIZER.value):
+        opt.step()
+    with torch.profiler.record_function(_PHASE_RANGE + Phase.ZERO_GRAD.value):
+        opt.zero_grad(set_to_none=True)
+    del out, value
+
+
+def _events(prof: torch.profiler.profile) -> list[Any]:
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    found = []
+    while stack:
+        e = stack.pop()
+        found.append(e)
+        stack.extend(e.children)
+    return found
+
+
+def _name(event: object) -> str:
+    """An event's name; "" for the odd Python-stack event whose name the profiler hands over as bad UTF-8."""
+    try:
+        return str(event.name)  # type: ignore[attr-defined]
+    except UnicodeDecodeError:
+        return ""
+
+
+def _highest(prof: torch.profiler.profile) -> tuple[int, int, Phase]:
+    """(highest running sum of allocations and frees, the time it is reached, its phase)."""
+    from torch._C._profiler import _EventType
+
+    events = _events(prof)
+    named = [(e, _name(e)) for e in events]
+    ranges = [(e.start_time_ns, e.end_time_ns, Phase(n[len(_PHASE_RANGE) :])) for e, n in named if n.startswith(_PHASE_RANGE)]
+    allocations = sorted((e for e in events if e.typed[0] == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    running, top, at = 0, 0, 0
+    for e in allocations:
+        running += e.typed[1].alloc_size
+        if running > top:
+            top, at = running, e.start_time_ns
+    phase = next((p for start, end, p in ranges if start <= at <= end), Phase.FORWARD)
+    return top, at, phase
+
+
+def _categories_at(prof: torch.profiler.profile, at: int) -> dict[str, int]:
+    """Live bytes by the profiler's own categories at time ``at`` (its memory timeline, replayed)."""
+    from torch.profiler._memory_profiler import Action, MemoryProfileTimeline
+
+    profile = prof._memory_profile()
+    timeline = MemoryProfileTimeline(profile)
+    live: dict[object, tuple[str, int]] = {}
+    for t, action, (key, version), size in timeline.timeline:
+        if t > at:
+            break
+        category = profile._categories.get(key, version)
+        label = category.name.lower() if category is not None else "unknown"
+        if action in (Action.PREEXISTING, Action.CREATE) or action == Action.INCREMENT_VERSION:
+            live[key] = (label, size)
+        elif action == Action.DESTROY:
+            live.pop(key, None)
+    split: dict[str, int] = defaultdict(int)
+    for label, size in live.values():
+        split[label] += size
+    return dict(split)

@@ -15,17 +15,20 @@ from typing import Any
 from tabulate import tabulate
 
 from fxmem.inputs import dtype_name, format_dims
-from fxmem.results import LayerRow, NodeRecord, Report
+from fxmem.results import LayerRow, NodeRecord, Peak, Report, Timeline
 from fxmem.symbolic import ByteExpr
 
-__all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "to_dict"]
+__all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "render_timeline", "to_dict"]
 
 FORMATS = ("table", "markdown", "csv", "json")
 TOP_LEVEL = "(top level)"
 NOT_INCLUDED = (
-    "Not included yet: temporaries live during forward and backward, allocator rounding, and the "
-    "backward peak; these totals are model state + saved activations + the input batch."
+    "Total = model state + saved activations + the input batch. Peak = the highest point of a whole "
+    "training step (forward, loss, backward, optimizer step), temporaries included, as the CPU allocator "
+    "sees it; not included: allocator rounding and caching, and memory outside tensors (CUDA context, "
+    "library workspaces)."
 )
+NO_PEAK = "The step was not simulated (peak=False): the batch that fits is judged on the total, without temporaries."
 
 
 def format_bytes(n: int) -> str:
@@ -157,12 +160,15 @@ def _summary(report: Report) -> str:
         [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
         [f"Total at {at}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
         *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
-        ["Floor at B=1", format_bytes(report.total_bytes(1)), "state + one sample"],
+        *_peak_lines(report, b, at),
+        ["Floor at B=1", format_bytes(report.step_bytes(1)), ("peak" if report.steps is not None else "total") + " with one sample"],
         ["State : activations", _ratio(s.total, report.total_bytes(b) - s.total), _reading(s.total, report.total_bytes(b) - s.total)],
     ]
     if report.device_memory is not None:
         lines.append(_device_line(report))
-    notes = [NOT_INCLUDED]
+    notes = [NOT_INCLUDED if report.steps is not None else NOT_INCLUDED + " " + NO_PEAK]
+    if report.steps is not None and report.steps.note:
+        notes.append(f"Peak: {report.steps.note}.")
     if report.accounting.batch_one_error:
         notes.append(
             "The model cannot train at B=1, so B=1 figures follow the line: "
@@ -178,6 +184,18 @@ def _summary(report: Report) -> str:
         notes.append(f"Activations grow faster than linearly in B: {report.activations.polynomial()} bytes.")
     notes += [f"Unsupported: node {u.node} ({u.fqn}): {u.reason}; counted as 0 B." for u in report.accounting.unsupported]
     return tabulate(lines, tablefmt="plain", disable_numparse=True) + "\n\n" + "\n".join(notes)
+
+
+def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
+    if report.steps is None:
+        return []
+    lines = []
+    for first, label in ((False, "steady step"), (True, "first step")):
+        p = report.peak(b, first_step=first)
+        where = f"in {p.phase} at {p.node}" + (f" ({p.fqn})" if p.fqn and p.fqn != p.node else "")
+        parts = f"state {format_bytes(p.state)}, activations {format_bytes(p.saved)}, temporaries {format_bytes(p.temporaries)}, inputs {format_bytes(p.inputs)}"
+        lines.append([f"Peak at {at} ({label})", format_bytes(p.bytes), f"{where}: {parts}"])
+    return lines
 
 
 def _state_parts(report: Report) -> str:
@@ -213,7 +231,7 @@ def _device_line(report: Report) -> list[str]:
         return [label, "fits at any batch", "memory does not grow with B"]
     fits = v.max_batch
     assert fits is not None
-    return [label, f"largest batch {fits}", f"total {format_bytes(report.total_bytes(fits))} at B={fits}"]
+    return [label, f"largest batch {fits}", f"{v.basis} {format_bytes(report.step_bytes(fits))} at B={fits}"]
 
 
 def _saved_tensor_dict(t: Any, batch: int) -> dict[str, Any]:
@@ -258,8 +276,27 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
         "floor": report.total_bytes(1),
         "device_memory": report.device_memory,
         "max_batch": report.max_batch(report.device_memory) if report.device_memory is not None else None,
+        "max_batch_basis": "peak" if report.steps is not None else "total",
+        "peak": _peak_dict(report) if report.steps is not None else None,
         "unsupported": [{"node": u.node, "layer": u.fqn, "reason": u.reason} for u in report.accounting.unsupported],
     }
+    return out
+
+
+def _peak_dict(report: Report) -> dict[str, Any]:
+    """``first_step`` and ``steady_step``: the peak at the report's batch and its envelope's pieces."""
+    out: dict[str, Any] = {}
+    for first, key in ((True, "first_step"), (False, "steady_step")):
+        p = report.peak(report.batch, first_step=first)
+        out[key] = {
+            "batch": p.batch, "bytes": p.bytes, "phase": p.phase.value, "node": p.node, "layer": p.fqn, "op": p.op,
+            "breakdown": {c.value: n for c, n in p.breakdown.items()},
+            "split": {"state": p.state, "activations": p.saved, "temporaries": p.temporaries, "inputs": p.inputs},
+            "envelope": [
+                {"from_batch": e.first_batch, "to_batch": e.last_batch, "per_sample": e.per_sample, "constant": e.fixed, "phase": e.phase.value, "node": e.node}
+                for e in report.envelope(first_step=first)
+            ],
+        }  # fmt: skip
     return out
 
 
@@ -283,3 +320,53 @@ def _node_dict(n: NodeRecord) -> dict[str, Any]:
         "saved_at_1": n.exact.get(1),
         "saved_tensors": [_saved_tensor_dict(t, 1) for t in n.tensors],
     }
+
+
+def render_timeline(timeline: Timeline, peak: Peak, batch: int, seq: int | None, model: str, *, top: int = 8) -> str:
+    """The step phase by phase (memory at its start, its highest point and where, at its end), then
+    what is alive at the step's peak: by category, and the largest storages made during the step."""
+    at = lambda e: e.at(batch, seq)
+    live = sum(at(e) for e in timeline.baseline.values())
+    rows: list[list[str]] = []
+    current: list[Any] = []
+    for e in timeline.events:
+        if not current or current[0] != e.phase:
+            if current:
+                rows.append(_phase_row(current, live))
+            current = [e.phase, live, live, ""]
+        live += at(e.nbytes) if e.alloc else -at(e.nbytes)
+        if live > current[2]:
+            current[2], current[3] = live, f"{e.node} ({e.op})"
+    if current:
+        rows.append(_phase_row(current, live))
+    kind = "first step: the optimizer state is made in step()" if timeline.first_step else "steady step: the optimizer state exists from the start"
+    head = f"fxmem timeline: {model} at B={batch}" + (f", S={seq}" if seq is not None else "") + f" ({kind})"
+    table = tabulate(rows, headers=["Phase", "At start", "Highest", "Where (node, op)", "At end"], disable_numparse=True)
+    split = ", ".join(f"{c.value} {format_bytes(n)}" for c, n in peak.breakdown.items())
+    lines = [head, table, f"Peak {format_bytes(peak.bytes)} ({peak.bytes} B) in {peak.phase} at {peak.node} ({peak.op}). Alive there: {split}."]
+    largest = _alive_at_peak(timeline, peak, batch, seq)[:top]
+    if largest:
+        body = [[e.category.value, e.node, e.op, format_bytes(n)] for e, n in largest]
+        lines.append(f"Largest storages made during the step and alive at the peak (of {len(_alive_at_peak(timeline, peak, batch, seq))}):\n"
+                     + tabulate(body, headers=["Category", "Made by", "Op", "Bytes"], disable_numparse=True))  # fmt: skip
+    return "\n\n".join(lines) + "\n"
+
+
+def _phase_row(current: list[Any], end: int) -> list[str]:
+    phase, start, high, where = current
+    return [phase.value, format_bytes(start), format_bytes(high), where, format_bytes(end)]
+
+
+def _alive_at_peak(timeline: Timeline, peak: Peak, batch: int, seq: int | None) -> list[tuple[Any, int]]:
+    """Storages allocated during the step and still alive right after the peak's allocation, largest first."""
+    live: dict[int, Any] = {}
+    for e in timeline.events:
+        if e.alloc:
+            live[e.storage] = e
+        else:
+            live.pop(e.storage, None)
+        if e.alloc and e.nbytes.at(batch, seq) and sum(x.nbytes.at(batch, seq) for x in live.values()) + sum(
+            b.at(batch, seq) for b in timeline.baseline.values()
+        ) == peak.bytes and e.phase == peak.phase and e.node == peak.node:
+            break
+    return sorted(((e, e.nbytes.at(batch, seq)) for e in live.values()), key=lambda x: -x[1])

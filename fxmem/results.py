@@ -9,13 +9,34 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from torch import nn
 
+from fxmem.errors import NotSimulatedError
 from fxmem.inputs import InputSpec, check_batch
 from fxmem.symbolic import ByteExpr
 
-__all__ = ["Accounting", "Capture", "Kind", "LayerRow", "ModelSpec", "NodeInfo", "NodeRecord", "Report", "SavedTensor", "StateBytes", "Unsupported", "Verdict"]
+__all__ = [
+    "Accounting",
+    "Capture",
+    "Category",
+    "EnvelopePiece",
+    "Kind",
+    "LayerRow",
+    "MemoryEvent",
+    "ModelSpec",
+    "NodeInfo",
+    "NodeRecord",
+    "Peak",
+    "Phase",
+    "Report",
+    "SavedTensor",
+    "StateBytes",
+    "Timeline",
+    "Unsupported",
+    "Verdict",
+]
 
 
 class Kind(StrEnum):
@@ -32,6 +53,114 @@ class Kind(StrEnum):
     BUFFER = "buffer"
     INPUT = "input"
     ACTIVATION = "activation"
+
+
+class Phase(StrEnum):
+    """The parts of one training step, in the order they run."""
+
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer step"
+    ZERO_GRAD = "zero_grad"
+
+
+class Category(StrEnum):
+    """What a live storage is, in the categories of torch.profiler's memory timeline.
+
+    - ACTIVATION: made by the forward or the loss and kept until backward (saved for it), or the
+      model's output, which the caller holds for the whole step.
+    - TEMPORARY: anything else the step makes and releases: the forward's intermediate values, the
+      gradients flowing through backward, the optimizer's per-parameter scratch tensors.
+    """
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer state"
+    INPUT = "input"
+    ACTIVATION = "activation"
+    TEMPORARY = "temporary"
+
+
+STATE_CATEGORIES = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+"""The categories that make up model state."""
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One storage allocated (``alloc``) or released during the step, with its bytes in B (and S)."""
+
+    phase: Phase
+    alloc: bool
+    nbytes: ByteExpr
+    category: Category
+    node: str
+    """The fx node running (forward; backward runs the node's gradient), 'loss', or the parameter the optimizer updates."""
+    fqn: str
+    op: str
+    storage: int
+    """A number per storage, the same for its allocation and its release."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Every allocation and release of one training step, in order, on top of what lives before it.
+
+    ``baseline`` is what exists when the step starts: weights, buffers, the input batch and targets,
+    and, in a steady step, the optimizer state (a first step creates it inside ``optimizer.step()``).
+    ``batch`` is None for a timeline with a symbolic batch, valid for every B >= 2.
+    """
+
+    batch: int | None
+    first_step: bool
+    baseline: Mapping[Category, ByteExpr]
+    events: tuple[MemoryEvent, ...]
+
+
+@dataclass(frozen=True)
+class EnvelopePiece:
+    """One piece of the peak as a function of B: from ``first_batch`` to ``last_batch`` (None: no end),
+    the peak is ``per_sample * B + fixed``, reached in ``phase`` at ``node``."""
+
+    first_batch: int
+    last_batch: int | None
+    per_sample: int
+    fixed: int
+    phase: Phase
+    node: str
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The highest point of one training step at one batch size, and what is alive there."""
+
+    batch: int
+    bytes: int
+    first_step: bool
+    phase: Phase
+    node: str
+    fqn: str
+    op: str
+    breakdown: Mapping[Category, int]
+
+    @property
+    def state(self) -> int:
+        """Weights, buffers, gradients and optimizer state alive at the peak."""
+        return sum(self.breakdown.get(c, 0) for c in STATE_CATEGORIES)
+
+    @property
+    def saved(self) -> int:
+        """Activations alive at the peak (saved for backward, and the model output)."""
+        return self.breakdown.get(Category.ACTIVATION, 0)
+
+    @property
+    def temporaries(self) -> int:
+        return self.breakdown.get(Category.TEMPORARY, 0)
+
+    @property
+    def inputs(self) -> int:
+        return self.breakdown.get(Category.INPUT, 0)
 
 
 @dataclass(frozen=True)
@@ -164,8 +293,11 @@ class Verdict:
     max_batch: int | None
     """None when even B=1 does not fit, or when memory does not grow with B (see ``unbounded``)."""
     floor: int
-    """Total bytes at B=1: the least any batch size can cost."""
+    """Bytes at B=1: the least any batch size can cost."""
     unbounded: bool = False
+    basis: str = "peak"
+    """'peak': the training step's peak (steady step); 'total': state + activations + inputs, where
+    the report was made without simulating the step."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +336,8 @@ class Report:
     seq_len: int | None = None
     """Where an input has a symbolic sequence axis S: the length every figure is evaluated at."""
     evaluate: Callable[[int], Mapping[str, int]] | None = field(default=None, compare=False, repr=False)
+    steps: Any = field(default=None, compare=False, repr=False)
+    """The simulated training step (a ``peak.StepPeaks``), or None where analyze ran with ``peak=False``."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -240,18 +374,50 @@ class Report:
         """Model state + activations + the input batch, at ``batch``. Temporaries and the backward peak are not in it."""
         return self.state.total + self.activation_bytes(batch) + self.input_bytes(batch)
 
+    def peak(self, batch: int | None = None, *, first_step: bool = False) -> Peak:
+        """The training step's peak at ``batch`` (default: the report's): bytes, phase, node, and what is alive.
+
+        A first step creates the optimizer state inside ``optimizer.step()``; a steady step (the
+        default) starts with it.
+        """
+        batch = self.batch if batch is None else batch
+        check_batch(batch)
+        return self._steps().peak(batch, first_step=first_step)
+
+    def timeline(self, batch: int | None = None, *, first_step: bool = False) -> Timeline:
+        """Every allocation and release of the training step at ``batch``, in order."""
+        batch = self.batch if batch is None else batch
+        check_batch(batch)
+        return self._steps().timeline(batch, first_step=first_step)
+
+    def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
+        """The peak as pieces ``a*B + c`` for B >= 2 (empty where the peak is not linear in B)."""
+        return tuple(self._steps().envelope(first_step=first_step))
+
+    def _steps(self) -> Any:
+        if self.steps is None:
+            raise NotSimulatedError(f"the report of '{self.model}' was made with peak=False; call analyze() without it to get the step's peak.")
+        return self.steps
+
+    def step_bytes(self, batch: int) -> int:
+        """What a device must hold at ``batch``: the steady step's peak, or ``total_bytes`` without a simulated step."""
+        if self.steps is None:
+            return self.total_bytes(batch)
+        return int(self.steps.bytes(batch, first_step=False))
+
     def max_batch(self, budget_bytes: int) -> int | None:
-        """The largest batch whose total fits in ``budget_bytes``; None if B=1 does not fit or nothing grows with B."""
+        """The largest batch whose step peak fits in ``budget_bytes``; None if B=1 does not fit or nothing grows with B."""
         return self.verdict(budget_bytes).max_batch
 
     def verdict(self, budget_bytes: int) -> Verdict:
-        floor = self.total_bytes(1)
-        grows = self.total_bytes(2) > self.total_bytes(1)
+        basis = "total" if self.steps is None else "peak"
+        floor = self.step_bytes(1)
+        grows = self.step_bytes(2) > floor
         if floor > budget_bytes:
-            return Verdict(budget_bytes, None, floor)
+            return Verdict(budget_bytes, None, floor, basis=basis)
         if not grows:
-            return Verdict(budget_bytes, None, floor, unbounded=True)
-        return Verdict(budget_bytes, _largest_fitting(self.total_bytes, budget_bytes), floor)
+            return Verdict(budget_bytes, None, floor, unbounded=True, basis=basis)
+        return Verdict(budget_bytes, _largest_fitting(self.step_bytes, budget_bytes), floor, basis=basis)
 
     def layers(self, depth: int | None = None) -> tuple[LayerRow, ...]:
         from fxmem.report import group_layers

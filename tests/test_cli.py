@@ -83,7 +83,7 @@ def test_leaf_keeps_attention_as_one_node(capsys: pytest.CaptureFixture[str]) ->
     assert [n["target"] for n in report["nodes"] if n["layer"] == "attn"] == ["MultiheadAttention"]
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["analyze", "--help"], ["measure", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["analyze", "--help"], ["measure", "--help"], ["timeline", "--help"]])
 def test_help_warns_that_loading_runs_code(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     out = run(capsys, *argv)
     assert "RUNS that code with your permissions" in " ".join(out.split())
@@ -98,6 +98,8 @@ def test_analyze_reports_its_stages() -> None:
         "capturing saved tensors (symbolic pass, batch B)",
         "capturing saved tensors (concrete pass at B=1)",
         "counting model state",
+        "simulating the training step (symbolic pass, batch B)",
+        "simulating the training step at B=1",
     ]
 
 

@@ -1,0 +1,193 @@
+"""Stage 7: the highest point of the step as a function of B, from the timeline.
+
+After each allocation the live bytes are a polynomial ``p_i(B)`` (in B and S): the baseline plus
+every allocation so far minus every release. The step's peak is their upper envelope,
+``max_i p_i(B)``; where every ``p_i`` is a line ``a_i*B + c_i`` the envelope is a chain of pieces,
+each the line of one moment of the step, exact at every B >= 2 (B=1 has its own timeline; see Note
+[Why B=1 is measured on its own] in account.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fxmem.results import Category, EnvelopePiece, Peak, Phase, Timeline
+from fxmem.symbolic import ByteExpr
+from fxmem.timeline import steady_step
+
+__all__ = ["Points", "StepPeaks", "envelope", "points"]
+
+_NO_PHASE = Phase.FORWARD
+"""The phase reported for a step that allocates nothing (its peak is the baseline, before the forward)."""
+
+Terms = tuple[tuple[int, int, int], ...]
+"""A polynomial as (power of B, power of S, coefficient) terms."""
+
+
+def _terms(e: ByteExpr) -> dict[tuple[int, int], int]:
+    terms = {(1, 0): e.per_sample, (0, 0): e.fixed}
+    terms.update({(k + 2, 0): c for k, c in enumerate(e.higher)})
+    terms.update({(i, j): c for i, j, c in e.seq_terms})
+    return {k: c for k, c in terms.items() if c}
+
+
+def _value(terms: Terms, batch: int, seq: int | None) -> int:
+    return sum(c * batch**i * (seq**j if j and seq is not None else 1) for i, j, c in terms)
+
+
+@dataclass(frozen=True)
+class Points:
+    """The live bytes right after each allocation of a timeline (``event`` indexes ``timeline.events``)."""
+
+    timeline: Timeline
+    event: tuple[int, ...]
+    terms: tuple[Terms, ...]
+
+    @property
+    def linear(self) -> bool:
+        return all(i <= 1 and j == 0 for t in self.terms for i, j, _c in t)
+
+    def highest(self, batch: int, seq: int | None) -> tuple[int, int]:
+        """(bytes, position) of the first point that reaches the maximum at ``batch``."""
+        best, where = -1, 0
+        for k, t in enumerate(self.terms):
+            v = _value(t, batch, seq)
+            if v > best:
+                best, where = v, k
+        return best, where
+
+
+def points(timeline: Timeline) -> Points:
+    live: dict[tuple[int, int], int] = {}
+    for held in timeline.baseline.values():
+        for k, c in _terms(held).items():
+            live[k] = live.get(k, 0) + c
+    cache: dict[ByteExpr, dict[tuple[int, int], int]] = {}
+    event: list[int] = []
+    terms: list[Terms] = []
+    for n, e in enumerate(timeline.events):
+        delta = cache.get(e.nbytes)
+        if delta is None:
+            delta = cache[e.nbytes] = _terms(e.nbytes)
+        sign = 1 if e.alloc else -1
+        for k, c in delta.items():
+            live[k] = live.get(k, 0) + sign * c
+        if e.alloc:
+            event.append(n)
+            terms.append(tuple((i, j, c) for (i, j), c in sorted(live.items()) if c))
+    if not event:  # a step that allocates nothing still holds its baseline
+        terms.append(tuple((i, j, c) for (i, j), c in sorted(live.items()) if c))
+        event.append(-1)
+    return Points(timeline, tuple(event), tuple(terms))
+
+
+def envelope(pts: Points, first_batch: int = 2) -> tuple[EnvelopePiece, ...]:
+    """The pieces of ``max_i (a_i*B + c_i)`` for integer B >= ``first_batch``; linear points only.
+
+    From ``first_batch`` on, the highest line is followed until a steeper one overtakes it, at the
+    first integer B where it is strictly higher; ties keep the earlier moment of the step.
+    """
+    lines = [(dict(((i, j), c) for i, j, c in t).get((1, 0), 0), dict(((i, j), c) for i, j, c in t).get((0, 0), 0)) for t in pts.terms]
+    best_per_slope: dict[int, tuple[int, int]] = {}
+    for k, (a, c) in enumerate(lines):
+        if a not in best_per_slope or c > lines[best_per_slope[a][1]][1]:
+            best_per_slope[a] = (c, k)
+    candidates = sorted((a, c, k) for a, (c, k) in best_per_slope.items())
+    value = lambda a, c, b: a * b + c
+    b = first_batch
+    top = max(candidates, key=lambda x: (value(x[0], x[1], b), x[0], -x[2]))
+    pieces: list[EnvelopePiece] = []
+    while True:
+        steeper = [x for x in candidates if x[0] > top[0]]
+        overtakes = [(_overtake(top, x), x) for x in steeper]
+        if not overtakes:
+            pieces.append(_piece(pts, b, None, top))
+            return tuple(pieces)
+        at = min(o for o, _ in overtakes)
+        nxt = max((x for o, x in overtakes if o == at), key=lambda x: (value(x[0], x[1], at), x[0]))
+        pieces.append(_piece(pts, b, at - 1, top))
+        b, top = at, nxt
+
+
+def _overtake(top: tuple[int, int, int], other: tuple[int, int, int]) -> int:
+    """The first integer B at which ``other`` (steeper) is strictly above ``top``."""
+    (a0, c0, _), (a1, c1, _) = top, other
+    return max((c0 - c1) // (a1 - a0) + 1, 0)
+
+
+def _piece(pts: Points, first: int, last: int | None, line: tuple[int, int, int]) -> EnvelopePiece:
+    e = pts.timeline.events[pts.event[line[2]]] if pts.event[line[2]] >= 0 else None
+    return EnvelopePiece(first, last, line[0], line[1], e.phase if e else _NO_PHASE, e.node if e else "")
+
+
+@dataclass
+class StepPeaks:
+    """The step's peak at any batch size, first step or steady, from the timelines fxmem simulated.
+
+    ``symbolic`` is the first step's timeline with B symbolic (valid for B >= 2), or None where only
+    concrete timelines are exact; ``exact`` holds concrete ones (always B=1 where a step can run on one
+    sample); ``simulate`` makes another concrete one on demand.
+    """
+
+    symbolic: Timeline | None
+    exact: dict[int, Timeline]
+    simulate: Callable[[int], Timeline] | None = None
+    seq: int | None = None
+    note: str = ""
+    batch_one_error: str = ""
+    """Why the step cannot run at B=1 (BatchNorm on one sample); B=1 then follows the symbolic timeline."""
+    _points: dict[tuple[int | None, bool], Points] = field(default_factory=dict, repr=False)
+
+    def timeline(self, batch: int, *, first_step: bool = False) -> Timeline:
+        first = self._first(batch)
+        return first if first_step else steady_step(first)
+
+    def _first(self, batch: int) -> Timeline:
+        if batch in self.exact:
+            return self.exact[batch]
+        if self.symbolic is not None and (batch >= 2 or self.batch_one_error):
+            return self.symbolic
+        if self.simulate is None:
+            raise ValueError(f"no timeline covers B={batch}")
+        self.exact[batch] = self.simulate(batch)
+        return self.exact[batch]
+
+    def _points_for(self, batch: int, first_step: bool) -> Points:
+        first = self._first(batch)
+        key = (first.batch, first_step)
+        if key not in self._points:
+            self._points[key] = points(first if first_step else steady_step(first))
+        return self._points[key]
+
+    def bytes(self, batch: int, *, first_step: bool = False) -> int:
+        return self._points_for(batch, first_step).highest(batch, self.seq)[0]
+
+    def peak(self, batch: int, *, first_step: bool = False) -> Peak:
+        pts = self._points_for(batch, first_step)
+        top, where = pts.highest(batch, self.seq)
+        index = pts.event[where]
+        timeline = pts.timeline
+        breakdown = _breakdown(timeline, index, batch, self.seq)
+        if index < 0:
+            return Peak(batch, top, first_step, _NO_PHASE, "", "", "", breakdown)
+        e = timeline.events[index]
+        return Peak(batch, top, first_step, e.phase, e.node, e.fqn, e.op, breakdown)
+
+    def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
+        """The peak's pieces for B >= 2 where the symbolic timeline is linear in B; else ()."""
+        if self.symbolic is None:
+            return ()
+        pts = self._points_for(2, first_step) if 2 not in self.exact else points(
+            self.symbolic if first_step else steady_step(self.symbolic)
+        )
+        return envelope(pts) if pts.linear else ()
+
+
+def _breakdown(timeline: Timeline, index: int, batch: int, seq: int | None) -> dict[Category, int]:
+    """Live bytes by category right after event ``index`` (the baseline alone for -1)."""
+    live = {c: e.at(batch, seq) for c, e in timeline.baseline.items()}
+    for e in timeline.events[: index + 1]:
+        sign = 1 if e.alloc else -1
+        live[e.category] = live.get(e.category, 0) + sign * e.nbytes.at(batch, seq)
+    return {c: live.get(c, 0) for c in Category if live.get(c, 0)}

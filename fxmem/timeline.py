@@ -1,0 +1,408 @@
+"""Stage 6: one whole training step on fake tensors, allocation by allocation.
+
+The step is the one users write::
+
+    out = model(batch); loss = loss_fn(out, target); loss.backward()
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+with the batch, the target and ``out`` held by the caller for the whole step. Autograd and the real
+torch optimizer (built by the optimizer rule, so the implementation torch picks for CPU tensors) run
+on fake tensors; nothing about backward or the optimizer is modelled by hand.
+
+Note [How the timeline sees memory]
+    A dispatch mode below autograd sees every aten op of the step: the forward's, the backward's
+    (autograd runs CPU graphs on the calling thread, and dispatch modes follow it) and the
+    optimizer's. After each op it notes the storages the op returned that it has not seen: an
+    allocation. Before each op it notes the storages that have died since: a release
+    (``StorageWeakRef.expired()``). Nothing is kept alive that the step would not keep itself, so
+    releases fall where they fall in a real run: the fx Interpreter drops each value after its last
+    use, autograd frees saved tensors as backward consumes them, ``zero_grad`` drops the gradients.
+    Parameters, buffers and inputs exist before the step and are never released by it, so they form
+    the baseline and are not polled.
+
+Note [Categories are decided afterwards]
+    What a storage is becomes clear only later: a gradient is whatever ``p.grad`` holds after
+    backward, optimizer state whatever ``optimizer.state`` holds after the step, an activation
+    whatever autograd saved (seen by a saved-tensor pack hook) or the model output. Every storage is
+    numbered at its allocation and given its category when the step has ended.
+
+Note [Steady step from first step]
+    A first step creates the optimizer state inside ``step()``; a steady step starts with it. The ops
+    are otherwise the same (AdamW's and SGD's updates do not depend on whether state was just made),
+    so the steady timeline is the first one with its state allocations moved into the baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fxmem.binding import bind_inputs, swapped_state
+from fxmem.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
+from fxmem.dispatch import OpRule, OpRuleMode
+from fxmem.errors import CaptureError, FxmemError
+from fxmem.inputs import InputSpec
+from fxmem.losses import Loss
+from fxmem.results import Category, MemoryEvent, Phase, Timeline
+from fxmem.rules.optimizers import OptimizerRule
+from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
+
+__all__ = ["WorkspaceRule", "simulate_step", "steady_step"]
+
+WorkspaceRule = Callable[[Sequence[Any], Mapping[str, Any], Any], object]
+"""A kernel-workspace rule: an aten op's (args, kwargs, output) to the bytes it allocates and frees inside."""
+
+_LABEL = "fxmem"
+"""Key of the (node, module path) label fxmem puts in each autograd node's ``metadata``."""
+
+
+@dataclass
+class _Storage:
+    """One storage the step allocated, numbered in order; its category is decided at the end."""
+
+    number: int
+    nbytes: object
+    phase: Phase
+    node: str
+    fqn: str
+    op: str
+
+
+@dataclass
+class _Raw:
+    alloc: bool
+    storage: _Storage
+    phase: Phase
+    node: str
+    fqn: str
+    op: str
+
+
+@dataclass(eq=False)
+class _Tracker(TorchDispatchMode):
+    """Notes allocations and releases of storages around every op. See Note [How the timeline sees memory]."""
+
+    rules: Mapping[str, OpRule]
+    workspaces: Mapping[str, WorkspaceRule]
+    phase: Phase = Phase.FORWARD
+    node: str = ""
+    fqn: str = ""
+    paused: bool = False
+    live: dict[StorageWeakRef, _Storage] = field(default_factory=dict)
+    permanent: dict[StorageWeakRef, tuple[Category, object]] = field(default_factory=dict)
+    raw: list[_Raw] = field(default_factory=list)
+    names: dict[StorageWeakRef, str] = field(default_factory=dict)
+    """Parameter name per storage of a parameter, its gradient and its state: the optimizer's attribution."""
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def adopt(self, t: torch.Tensor, category: Category) -> None:
+        """Register a storage that exists before the step and outlives it (weights, inputs)."""
+        self.permanent.setdefault(StorageWeakRef(t.untyped_storage()), (category, t.untyped_storage().nbytes()))
+
+    def number(self, t: torch.Tensor) -> int | None:
+        entry = self.live.get(StorageWeakRef(t.untyped_storage()))
+        return entry.number if entry is not None else None
+
+    def poll(self) -> None:
+        """Record the release of every storage that has died since the last poll."""
+        dead = [key for key in self.live if key.expired()]
+        for key in dead:
+            self.raw.append(_Raw(False, self.live.pop(key), self.phase, self.node, self.fqn, ""))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        self.poll()
+        node, fqn = self._attribution(args)
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        op = str(func.overloadpacket)
+        rule = self.rules.get(op)
+        sizes = rule(args, kwargs, out) if rule is not None else {}
+        for i, t in enumerate(outs):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
+                self._allocated(t, sizes.get(i), node, fqn, op)
+        workspace = self.workspaces.get(op)
+        nbytes = workspace(args, kwargs, out) if workspace is not None else 0
+        if not (isinstance(nbytes, int) and nbytes == 0):
+            self._transient(nbytes, node, fqn, f"{op} (workspace)")
+        return out
+
+    def _transient(self, nbytes: object, node: str, fqn: str, op: str) -> None:
+        """A kernel's workspace: allocated and released within the op, alive with its outputs."""
+        storage = _Storage(len(self.raw), nbytes, self.phase, node, fqn, op)
+        self.raw.append(_Raw(True, storage, self.phase, node, fqn, op))
+        self.raw.append(_Raw(False, storage, self.phase, node, fqn, op))
+
+    def _allocated(self, t: torch.Tensor, nbytes: object, node: str, fqn: str, op: str) -> None:
+        key = StorageWeakRef(t.untyped_storage())
+        if key in self.live or key in self.permanent:
+            return
+        size = t.untyped_storage().nbytes() if nbytes is None else nbytes
+        storage = _Storage(len(self.raw), size, self.phase, node, fqn, op)
+        self.live[key] = storage
+        self.raw.append(_Raw(True, storage, self.phase, node, fqn, op))
+        if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            self.names[key] = node
+
+    def _attribution(self, args: Any) -> tuple[str, str]:
+        """(node, module path) an op is charged to: the running fx node in forward and loss, the
+        forward node whose gradient autograd is computing in backward, the parameter in the optimizer."""
+        if self.phase == Phase.BACKWARD:
+            current = torch._C._current_autograd_node()
+            label = _metadata(current).get(_LABEL) if current is not None else None
+            if label is not None:
+                return label
+            return (current.name() if current is not None else self.node), ""
+        if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            for a in tree_leaves(args):
+                if isinstance(a, torch.Tensor):
+                    name = self.names.get(StorageWeakRef(a.untyped_storage()))
+                    if name is not None:
+                        return name, _module_of(name)
+        return self.node, self.fqn
+
+
+def _module_of(parameter: str) -> str:
+    return parameter.rpartition(".")[0]
+
+
+class _Forward(fx.Interpreter):
+    """Runs the graph freeing each value after its last use, telling the tracker which node runs, and
+    labelling the autograd nodes each fx node creates so that backward's ops are charged to it."""
+
+    def __init__(self, gm: fx.GraphModule, tracker: _Tracker, fake: FakeBatch, model: str) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.tracker = tracker
+        self.fake = fake
+        self.model = model
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.tracker.node, self.tracker.fqn = n.name, node_fqn(n)
+        try:
+            out = super().run_node(n)
+        except (FxmemError, SymbolicUnsupported, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            symbols = (self.fake.symbols.get("B"), self.fake.symbols.get("S"))
+            raise node_error(n, self.env, symbols, self.model, e) from e
+        _label_autograd(out, (n.name, node_fqn(n)))
+        return out
+
+
+def _metadata(fn: Any) -> dict[str, Any]:
+    """An autograd node's metadata dict, kept by the C++ node however often Python rewraps it."""
+    return fn.metadata
+
+
+def _label_autograd(value: object, label: tuple[str, str]) -> None:
+    """Label every not-yet-labelled autograd node reachable from ``value``: those made just now."""
+    stack: list[Any] = [t.grad_fn for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or _LABEL in _metadata(fn):
+            continue
+        _metadata(fn)[_LABEL] = label
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+
+
+def _label_accumulators(params: Mapping[str, torch.Tensor], value: torch.Tensor) -> None:
+    """Name each AccumulateGrad node after its parameter (its gradient's first copy is made there)."""
+    names = {id(p): name for name, p in params.items()}
+    seen: set[int] = set()
+    stack: list[Any] = [value.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        variable = getattr(fn, "variable", None)
+        if variable is not None and id(variable) in names:
+            _metadata(fn)[_LABEL] = (names[id(variable)], _module_of(names[id(variable)]))
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+
+
+def simulate_step(
+    gm: fx.GraphModule,
+    specs: Sequence[InputSpec],
+    *,
+    loss: Loss,
+    optimizer: OptimizerRule,
+    batch: int | None,
+    rules: Mapping[str, OpRule],
+    workspaces: Mapping[str, WorkspaceRule],
+    model: str = "model",
+    seq: int | None = None,
+) -> Timeline:
+    """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
+
+    Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
+    """
+    fake = fake_batch(specs, batch, seq)
+    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log():
+        tracker = _Tracker(rules, workspaces)
+        params = dict(gm.named_parameters())
+        for name, p in params.items():
+            tracker.adopt(p, Category.PARAMETER)
+            tracker.names[StorageWeakRef(p.untyped_storage())] = name
+        for b in gm.buffers():
+            tracker.adopt(b, Category.BUFFER)
+        for t in fake.inputs:
+            tracker.adopt(t, Category.INPUT)
+        values = bind_inputs(gm, specs, fake.inputs, model)
+        with fake.mode:
+            trainable = [p for p in params.values() if p.requires_grad]
+            opt = optimizer.make(trainable) if trainable else None  # a frozen model has no step to take
+            with tracker, OpRuleMode({}, {}):
+                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model)
+    fake.check_symbols()
+    return _timeline(tracker, categories, batch, fake)
+
+
+def _run_step(
+    gm: fx.GraphModule,
+    tracker: _Tracker,
+    fake: FakeBatch,
+    values: list[Any],
+    loss: Loss,
+    opt: torch.optim.Optimizer | None,
+    params: Mapping[str, torch.Tensor],
+    model: str,
+) -> dict[int, Category]:
+    """Run forward, loss, backward, step and zero_grad; return the categories decided along the way."""
+    categories: dict[int, Category] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        number = tracker.number(t)
+        if number is not None:
+            categories[number] = Category.ACTIVATION
+        return t.detach()  # not t itself: an output saved by its own grad_fn would make a reference cycle
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        out = _Forward(gm, tracker, fake, model).run(*values)
+        tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
+        output = loss.select(out, model)
+        with _paused(tracker):  # the target is data the caller holds before the step, like the batch
+            target = loss.make_target(output)
+        if target is not None:
+            tracker.adopt(target, Category.INPUT)
+        value = _compute_loss(loss, output, target, model)
+    _mark(tracker, categories, out, Category.ACTIVATION)  # the caller holds the output
+    _label_autograd(value, (LOSS_NODE, "(loss)"))
+    _label_accumulators(params, value)
+    tracker.phase = Phase.BACKWARD
+    if value.requires_grad:  # nothing to differentiate when every parameter is frozen
+        value.backward()
+    tracker.poll()
+    tracker.phase, tracker.node, tracker.fqn = Phase.OPTIMIZER, "optimizer.step", ""
+    for name, p in params.items():
+        if p.grad is not None:
+            _mark(tracker, categories, p.grad, Category.GRADIENT)
+            tracker.names[StorageWeakRef(p.grad.untyped_storage())] = name
+    if opt is not None:
+        opt.step()
+        tracker.poll()
+        _mark(tracker, categories, [list(s.values()) for s in opt.state.values()], Category.OPTIMIZER_STATE)
+        tracker.phase, tracker.node = Phase.ZERO_GRAD, "zero_grad"
+        opt.zero_grad(set_to_none=True)
+        tracker.poll()
+    del out, value
+    return categories
+
+
+def _compute_loss(loss: Loss, output: torch.Tensor, target: torch.Tensor | None, model: str) -> torch.Tensor:
+    try:
+        return loss.compute(output, target)
+    except FxmemError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise CaptureError(f"model '{model}': the loss '{loss.name}' failed on the output: {type(e).__name__}: {first}") from e
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _paused(tracker: _Tracker) -> Iterator[None]:
+    tracker.paused = True
+    try:
+        yield
+    finally:
+        tracker.paused = False
+
+
+def _mark(tracker: _Tracker, categories: dict[int, Category], value: object, category: Category) -> None:
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            number = tracker.number(t)
+            if number is not None:
+                categories[number] = category
+
+
+def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int | None, fake: FakeBatch) -> Timeline:
+    convert = _Converter(fake)
+    baseline: dict[Category, ByteExpr] = {}
+    for category, nbytes in tracker.permanent.values():
+        baseline[category] = baseline.get(category, ByteExpr()) + convert(nbytes)
+    events = tuple(
+        MemoryEvent(
+            r.phase,
+            r.alloc,
+            convert(r.storage.nbytes),
+            categories.get(r.storage.number, Category.TEMPORARY),
+            r.node if r.alloc else r.storage.node,
+            r.fqn if r.alloc else r.storage.fqn,
+            r.op if r.alloc else r.storage.op,
+            r.storage.number,
+        )
+        for r in tracker.raw
+    )
+    return Timeline(batch, True, baseline, events)
+
+
+@dataclass
+class _Converter:
+    """Storage sizes (ints or SymInts) as ByteExprs, one sympy conversion per distinct expression."""
+
+    fake: FakeBatch
+    cache: dict[object, ByteExpr] = field(default_factory=dict)
+
+    def __call__(self, nbytes: object) -> ByteExpr:
+        if isinstance(nbytes, int):
+            return ByteExpr(fixed=nbytes)
+        expr = getattr(getattr(nbytes, "node", None), "expr", nbytes)
+        if expr not in self.cache:
+            try:
+                self.cache[expr] = to_byte_expr(expr, self.fake.symbols.get("B"), self.fake.symbols.get("S"))
+            except DataDependentBytes:
+                self.cache[expr] = ByteExpr()
+            except ValueError as e:  # bytes like floor(B/3): concrete passes take over
+                raise SymbolicUnsupported(str(e)) from e
+        return self.cache[expr]
+
+
+def steady_step(first: Timeline) -> Timeline:
+    """The steady step's timeline: the first step's, with state allocations moved into the baseline.
+
+    See Note [Steady step from first step].
+    """
+    moved = {e.storage for e in first.events if e.alloc and e.category == Category.OPTIMIZER_STATE and e.phase == Phase.OPTIMIZER}
+    baseline = dict(first.baseline)
+    for e in first.events:
+        if e.alloc and e.storage in moved:
+            baseline[Category.OPTIMIZER_STATE] = baseline.get(Category.OPTIMIZER_STATE, ByteExpr()) + e.nbytes
+    events = tuple(e for e in first.events if e.storage not in moved)
+    return replace(first, first_step=False, baseline=baseline, events=events)

@@ -1,0 +1,100 @@
+"""The peak as a function of B: the upper envelope, checked on timelines whose arithmetic is done by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxmem
+from fxmem.peak import StepPeaks, envelope, points
+from fxmem.results import Category, MemoryEvent, Phase, Timeline
+from fxmem.symbolic import ByteExpr
+
+
+def _event(n: int, per_sample: int, fixed: int, alloc: bool = True, phase: Phase = Phase.FORWARD) -> MemoryEvent:
+    return MemoryEvent(phase, alloc, ByteExpr(per_sample, fixed), Category.TEMPORARY, f"n{n}", "", "aten.x", n)
+
+
+def _timeline() -> Timeline:
+    # Baseline 100 B. Then: +10B (a), +50 (b), -10B (a), -50 (b), +3B+200 (c).
+    # Live after each allocation: 10B+100, 10B+150, 3B+300.
+    # 10B+150 is above 10B+100 everywhere; against 3B+300: 10B+150 > 3B+300 from 7B > 150, B >= 22.
+    events = (
+        _event(0, 10, 0),
+        _event(1, 0, 50),
+        _event(0, 10, 0, alloc=False),
+        _event(1, 0, 50, alloc=False),
+        _event(2, 3, 200, phase=Phase.BACKWARD),
+    )
+    return Timeline(None, True, {Category.PARAMETER: ByteExpr(fixed=100)}, events)
+
+
+def test_envelope_pieces_follow_the_hand_computed_crossing() -> None:
+    pieces = envelope(points(_timeline()))
+    assert [(p.first_batch, p.last_batch, p.per_sample, p.fixed, p.node) for p in pieces] == [(2, 21, 3, 300, "n2"), (22, None, 10, 150, "n1")]
+
+
+@pytest.mark.parametrize("batch", [2, 21, 22, 1000])
+def test_peak_is_the_highest_point_at_every_batch(batch: int) -> None:
+    peaks = StepPeaks(_timeline(), {})
+    expected = max(10 * batch + 150, 3 * batch + 300)
+    assert peaks.bytes(batch, first_step=True) == expected
+    assert peaks.peak(batch, first_step=True).phase == (Phase.BACKWARD if batch <= 21 else Phase.FORWARD)
+
+
+def test_the_breakdown_adds_up_to_the_peak() -> None:
+    p = StepPeaks(_timeline(), {}).peak(50, first_step=True)
+    assert sum(p.breakdown.values()) == p.bytes == 10 * 50 + 150
+    assert p.breakdown == {Category.PARAMETER: 100, Category.TEMPORARY: 550}
+
+
+def test_a_step_of_one_linear_layer_by_hand() -> None:
+    # Linear(4 -> 2, no bias), input B x 4, loss 'sum', SGD without momentum (no state).
+    # Weights 2*4*4 = 32 B; input 16 B per sample. The forward allocates the output (2 floats = 8 B per
+    # sample, held by the caller: an activation); the loss a 4-byte scalar. Backward makes the weight
+    # gradient (32 B, kept as p.grad). At the end of backward, live = 32 + 16B + 8B + 4 + 32 at least;
+    # SGD updates in place, and zero_grad releases the gradient.
+    with torch.device("meta"):
+        model = nn.Linear(4, 2, bias=False)
+    report = fxmem.analyze(model, ["B,4"], optimizer="sgd")
+    t = report.timeline(8, first_step=True)
+    grads = [e for e in t.events if e.category == Category.GRADIENT and e.alloc]
+    assert [e.nbytes.at(8) for e in grads] == [32]
+    assert [e.phase for e in t.events if e.category == Category.GRADIENT and not e.alloc] == [Phase.ZERO_GRAD]
+    outputs = [e for e in t.events if e.category == Category.ACTIVATION and e.alloc]
+    assert [e.nbytes for e in outputs] == [ByteExpr(per_sample=8)]
+    assert t.baseline == {Category.PARAMETER: ByteExpr(fixed=32), Category.INPUT: ByteExpr(per_sample=16)}
+    assert report.peak(8).bytes >= 32 + 16 * 8 + 8 * 8 + 4 + 32
+
+
+def test_adamw_state_appears_inside_the_first_step_and_is_baseline_in_a_steady_one() -> None:
+    # AdamW keeps exp_avg and exp_avg_sq (32 B each for the 2x4 weight) and a 4-byte step: 68 B.
+    with torch.device("meta"):
+        model = nn.Linear(4, 2, bias=False)
+    report = fxmem.analyze(model, ["B,4"], optimizer="adamw")
+    first, steady = report.timeline(8, first_step=True), report.timeline(8)
+    made = [e.nbytes.at(8) for e in first.events if e.alloc and e.category == Category.OPTIMIZER_STATE]
+    assert sorted(made) == [4, 32, 32] and all(
+        e.phase == Phase.OPTIMIZER for e in first.events if e.category == Category.OPTIMIZER_STATE
+    )
+    assert steady.baseline[Category.OPTIMIZER_STATE] == ByteExpr(fixed=68)
+    assert not any(e.category == Category.OPTIMIZER_STATE for e in steady.events)
+    assert report.peak(8).bytes >= report.peak(8, first_step=True).bytes
+
+
+def test_max_batch_uses_the_peak_and_says_so() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    report = fxmem.analyze(model, ["B,64"], device_memory=10**6)
+    verdict = report.verdict(10**6)
+    assert verdict.basis == "peak"
+    fits = verdict.max_batch
+    assert fits is not None and report.step_bytes(fits) <= 10**6 < report.step_bytes(fits + 1)
+    assert fxmem.analyze(model, ["B,64"], peak=False).verdict(10**6).basis == "total"
+
+
+def test_a_report_without_the_step_says_how_to_get_the_peak() -> None:
+    report = fxmem.analyze(nn.Linear(4, 2), ["B,4"], peak=False)
+    with pytest.raises(fxmem.FxmemError, match="peak=False"):
+        report.peak(4)

@@ -1,0 +1,53 @@
+"""The step's peak, predicted on fake tensors, against a real CPU step under torch.profiler.
+
+Every zoo model (test config) at B in {1, 4}, for sgd, sgd-momentum and adamw, first and steady step:
+the predicted peak is within 1% of the measured one and falls in the same phase.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fxmem
+from fxmem.measure import measure_peak
+from models_zoo import ZOO
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adamw")
+BATCHES = (1, 4)
+TOLERANCE = 0.01
+
+_PATCH_EMBED = (
+    "ViT's patch embedding (3 input channels, 16x16 kernel, stride 16) takes oneDNN's first-convolution "
+    "backward kernel, whose buffers the rule in Note [CPU oneDNN convolution buffers] overstates by ~8 KiB for this "
+    "shape; at the test config's size that is 2.5-3.5% of the step"
+)
+KNOWN_GAPS: dict[tuple[str, str, int, bool], str] = {
+    ("vit-b16", "sgd", 1, True): _PATCH_EMBED,
+    ("vit-b16", "sgd", 1, False): _PATCH_EMBED,
+    ("vit-b16", "sgd-momentum", 1, False): _PATCH_EMBED,
+}
+"""(model, optimizer, batch, first step) cases outside 1% today, with the reason. They are strict
+expected failures: a fix makes them pass, and the test then fails until the entry is removed."""
+
+
+@pytest.fixture(scope="module", params=[(m, o) for m in ZOO for o in OPTIMIZERS], ids=lambda p: f"{p[0]}-{p[1]}")
+def case(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    name, optimizer = request.param
+    spec = fxmem.load_model(f"zoo:{name}:test")
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name)
+    return name, optimizer, spec, report
+
+
+@pytest.mark.parametrize("first_step", [True, False], ids=["first", "steady"])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_predicted_peak_is_within_one_percent_of_the_profiler(case, batch: int, first_step: bool, request: pytest.FixtureRequest) -> None:  # type: ignore[no-untyped-def]
+    name, optimizer, spec, report = case
+    gap = KNOWN_GAPS.get((name, optimizer, batch, first_step))
+    if gap is not None:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
+    real = fxmem.load_model(f"zoo:{name}:test", meta=False).model
+    measured = measure_peak(real, spec.inputs, batch, loss=spec.loss, optimizer=optimizer, first_step=first_step)
+    predicted = report.peak(batch, first_step=first_step)
+    error = (predicted.bytes - measured.bytes) / measured.bytes
+    assert abs(error) <= TOLERANCE, f"{name} {optimizer} B={batch}: predicted {predicted.bytes}, measured {measured.bytes} ({error:+.2%})"
+    assert predicted.phase == measured.phase
