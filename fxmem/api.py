@@ -68,34 +68,33 @@ def analyze(
     say("counting model state")
     state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict)
-    steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq) if peak else None
+    steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch) if peak else None
     return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps)
 
 
 def _simulate_steps(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, opt: OptimizerRule, name: str, say: Callable[[str], None], seq: int | None
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, opt: OptimizerRule, name: str, say: Callable[[str], None],
+    seq: int | None, batch: int,
 ) -> StepPeaks:
-    """The training step's timeline: one symbolic pass plus B=1, or concrete passes on demand."""
+    """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
+    the report's own batch now (so that a failing step fails analyze), concrete ones on demand."""
     rules, workspaces = op_rules_for("cpu"), workspace_rules_for("cpu")
 
-    def run(batch: int | None) -> Timeline:
-        s = seq if batch is not None else None
-        return simulate_step(gm, specs, loss=loss, optimizer=opt, batch=batch, rules=rules, workspaces=workspaces, model=name, seq=s)
+    def run(b: int | None) -> Timeline:
+        if b is not None:
+            say(f"simulating the training step at B={b}")
+        return simulate_step(gm, specs, loss=loss, optimizer=opt, batch=b, rules=rules, workspaces=workspaces, model=name, seq=seq if b else None)
 
-    symbolic, note = None, ""
-    try:
+    def symbolic() -> tuple[Timeline | None, str]:
         say("simulating the training step (symbolic pass, batch B)")
-        symbolic = run(None)
-    except (SymbolicUnsupported, BatchSpecialized) as e:
-        note = f"the step is simulated at each batch size asked ({e})"
-    say("simulating the training step at B=1")
-    try:
-        exact, why_not_one = {1: run(1)}, ""
-    except CaptureError as e:
-        if symbolic is None:
-            raise
-        exact, why_not_one = {}, str(e)
-    return StepPeaks(symbolic, exact, run, seq, note, why_not_one)
+        try:
+            return run(None), ""
+        except (SymbolicUnsupported, BatchSpecialized) as e:
+            return None, f"the step is simulated at each batch size asked ({e})"
+
+    steps = StepPeaks(None, {}, run, seq, make_symbolic=symbolic, make_batch_one=lambda: run(1))
+    steps.peak(batch)
+    return steps
 
 
 def _account(

@@ -39,7 +39,7 @@ _SECURITY = (
 )
 _SPEC_HELP = (
     "zoo:NAME (see 'fxmem zoo'; zoo:NAME:test for its small config), hf:NAME or hf:path/config.json "
-    "(Hugging Face, from the config alone), package.module:factory, or path/to/file.py:factory"
+    "(Hugging Face, from the config alone), torchvision:NAME, timm:NAME, package.module:factory, or path/to/file.py:factory"
 )
 _LEAF_HELP = (
     "keep modules of this class opaque (one node) when tracing: a class name from the model or torch.nn "
@@ -107,12 +107,12 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
     a.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
     a.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
-    m = sub.add_parser("measure", help="run one real forward on the CPU and print measured beside predicted, per layer",
+    m = sub.add_parser("measure", help="run one real forward (or, with --peak, a whole step) on the CPU and print measured beside predicted",
                        description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
                        "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
     _model_options(m)
     m.add_argument("--batch", type=_positive_int, default=2, help="the batch size of the real run (default 2)")
-    m.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step with torch.profiler instead of the saved activations")
+    m.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step instead of the saved activations: with torch.profiler on the CPU, or torch.cuda.max_memory_allocated where CUDA is present")
     m.add_argument("--optimizer", default="adamw", help="with --peak: the optimizer of the step (default adamw)")
     m.add_argument("--first-step", action="store_true", help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)")
     t = sub.add_parser("timeline", help="simulate one training step and show its memory over time, phase by phase",
@@ -269,20 +269,23 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     spec, report = _step_report(args, say, opt)
     predicted = report.peak(args.batch, first_step=args.first_step)
     say(f"running one training step for real on the CPU at B={args.batch}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU measures what the GPU keeps
     measured = measure_peak(
-        materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step, seq_len=report.seq_len
-    )
-    return _peak_comparison(predicted, measured)
+        materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step,
+        seq_len=report.seq_len, device=device,
+    )  # fmt: skip
+    return _peak_comparison(predicted, measured, device)
 
 
-def _peak_comparison(predicted: Peak, measured: PeakMeasurement) -> str:
+def _peak_comparison(predicted: Peak, measured: PeakMeasurement, device: str = "cpu") -> str:
     """Measured and predicted peak side by side, each split by its own categories (the profiler's and fxmem's)."""
     step = "first step" if predicted.first_step else "steady step"
     rows = [["Peak", format_bytes(measured.bytes), format_bytes(predicted.bytes)], ["Phase", measured.phase.value, predicted.phase.value]]
     names = sorted({*measured.breakdown, *(c.value.replace(" ", "_") for c in predicted.breakdown)})
     ours = {c.value.replace(" ", "_"): n for c, n in predicted.breakdown.items()}
     rows += [[f"  {name}", format_bytes(measured.breakdown.get(name, 0)), format_bytes(ours.get(name, 0))] for name in names]
-    table = tabulate(rows, headers=["", f"Measured (torch.profiler, {step}, B={measured.batch})", "Predicted (fxmem)"], disable_numparse=True)
+    how = "torch.profiler" if device == "cpu" else "torch.cuda.max_memory_allocated"
+    table = tabulate(rows, headers=["", f"Measured ({how}, {step}, B={measured.batch})", "Predicted (fxmem)"], disable_numparse=True)
     error = 100 * (predicted.bytes - measured.bytes) / measured.bytes if measured.bytes else 0.0
     return (
         f"{table}\n\nPeak at B={measured.batch}: measured {measured.bytes} B, predicted {predicted.bytes} B ({error:+.2f}%); "

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -63,14 +64,45 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
     try:
-        dynamic = _dynamic_shapes(model, specs, dims)
         with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
-            program = _export_first_that_works(model, specs, dynamic, device)
+            try:
+                program = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, dims), device)
+            except Exception as e:
+                bounded = _suggested_dims(str(e), dims)
+                if bounded is None:
+                    raise
+                program = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, bounded), device)
     except Exception as e:
         raise _export_error(name, model, e) from e
     gm = program.module()
     _clean(gm)
     return gm
+
+
+_SUGGESTION = re.compile(r"(\w+) = Dim\('(\w+)'((?:, (?:min|max)=\d+)*)\)")
+
+
+def _suggested_dims(message: str, dims: dict[str, Any]) -> dict[str, Any] | None:
+    """The dims with the bounds torch.export suggests ("Suggested fixes: seq = Dim('seq', max=64)"), or None.
+
+    A model can constrain an axis (BERT's sequence by its position embeddings, T5's by shifting its
+    labels): export then rejects an unbounded ``Dim`` and says which bounds it needs. Only bounds
+    are taken; a suggestion to make an axis a constant is not (the axis must stay symbolic), nor one
+    that leaves out the export-time example size.
+    """
+    found = {m.group(2): dict(re.findall(r"(min|max)=(\d+)", m.group(3))) for m in _SUGGESTION.finditer(message)}
+    if not found:
+        return None
+    examples = {"batch": _EXAMPLE_BATCH, "seq": _EXAMPLE_SEQ}
+    bounded = dict(dims)
+    for key, dim in dims.items():
+        bounds = {k: int(v) for k, v in found.get(dim.__name__, {}).items()}
+        if not bounds:
+            continue
+        if not bounds.get("min", 0) <= examples.get(dim.__name__, 0) <= bounds.get("max", 10**18):
+            return None
+        bounded[key] = torch.export.Dim(dim.__name__, **bounds)
+    return bounded
 
 
 def _export_first_that_works(model: nn.Module, specs: Sequence[InputSpec], dynamic: dict[str, Any], device: torch.device) -> Any:

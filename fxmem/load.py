@@ -1,8 +1,8 @@
 """Stage 1: resolve a model spec to a module on the meta device and its default inputs.
 
 Specs: ``zoo:NAME`` (models_zoo; ``zoo:NAME:test`` for its small test config), ``hf:NAME`` or
-``hf:path/config.json`` (Hugging Face, from the config alone), ``package.module:factory`` and
-``path/to/file.py:factory``. A factory
+``hf:path/config.json`` (Hugging Face, from the config alone), ``torchvision:NAME`` and ``timm:NAME``
+(when installed; see vision.py), ``package.module:factory`` and ``path/to/file.py:factory``. A factory
 returns an ``nn.Module``, a ``ModelSpec``, or ``(module, inputs)``. It is called under
 ``torch.device("meta")``, so a 70B-parameter config costs no RAM.
 
@@ -27,6 +27,7 @@ from torch import nn
 from fxmem.errors import FxmemError, LoadError
 from fxmem.huggingface import hf_factory
 from fxmem.results import ModelSpec
+from fxmem.vision import timm_factory, torchvision_factory
 
 __all__ = ["load_leaf_types", "load_model"]
 
@@ -40,6 +41,12 @@ def load_model(
     """
     if spec.startswith("hf:"):
         return _call_factory(hf_factory(spec[len("hf:") :], overrides=hf_config, seq_len=seq_len), spec, meta=meta)
+    for prefix, make in (("torchvision:", torchvision_factory), ("timm:", timm_factory)):
+        if spec.startswith(prefix):
+            name = spec[len(prefix) :]
+            if not name:
+                raise LoadError(f"model spec '{spec}': name the model, e.g. {prefix}resnet50.")
+            return _call_factory(make(name), spec, meta=meta)
     factory, name = _resolve(spec)
     return _call_factory(factory, name, meta=meta)
 

@@ -28,7 +28,8 @@ import copy
 import os
 import sys
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,18 +192,21 @@ def measure_peak(
     first_step: bool = False,
     seed: int = 0,
     seq_len: int | None = None,
+    device: str = "cpu",
 ) -> PeakMeasurement:
-    """Run one real training step on the CPU at ``batch`` and measure its peak with torch.profiler.
+    """Run one real training step at ``batch`` and measure its peak.
 
     The step is ``out = model(batch)``, the loss, ``backward()``, ``optimizer.step()`` and
     ``zero_grad(set_to_none=True)``. A steady step (``first_step=False``) is preceded by one
-    optimizer step outside the measurement, which creates the optimizer state.
+    optimizer step outside the measurement, which creates the optimizer state. On the CPU the peak
+    comes from torch.profiler (Note [Reading the peak from the profiler]); with ``device="cuda"`` from
+    ``torch.cuda.max_memory_allocated``, read per phase.
     """
     check_batch(batch)
     specs, loss_fn, rule = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
     torch.manual_seed(seed)
-    real = materialize(model).train()
-    tensors = [make_tensor(s, batch, seq_len) for s in specs]
+    real = materialize(model).train().to(device)
+    tensors = [make_tensor(s, batch, seq_len).to(device) for s in specs]
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     name = type(model).__name__
@@ -210,12 +214,40 @@ def measure_peak(
         target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
     opt = _optimizer(real, rule, first_step)
     held = [*real.parameters(), *real.buffers(), *tensors, *([target] if target is not None else [])]
-    held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.device == tensors[0].device]
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
+    if torch.device(device).type == "cuda":
+        top, phase = _cuda_peak(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around))
+        return PeakMeasurement(batch, first_step, top, phase, baseline, {})
     with _quiet_stderr(), _profiled() as prof:
-        _real_step(real, args, kwargs, loss_fn, target, opt, name)
+        _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range)
     top, at, phase = _highest(prof)
     return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at))
+
+
+Around = Callable[[Phase], AbstractContextManager[object]]
+"""What wraps each phase of the real step: a profiler range on the CPU, a peak reading on CUDA."""
+
+
+def _profiler_range(phase: Phase) -> AbstractContextManager[object]:
+    return torch.profiler.record_function(_PHASE_RANGE + phase.value)
+
+
+def _cuda_peak(step: Callable[[Around], None]) -> tuple[int, Phase]:
+    """The step's highest ``torch.cuda.max_memory_allocated`` and the phase it was reached in."""
+    peaks: dict[Phase, int] = {}
+
+    @contextlib.contextmanager
+    def around(phase: Phase) -> Iterator[None]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        torch.cuda.synchronize()
+        peaks[phase] = int(torch.cuda.max_memory_allocated())
+
+    step(around)
+    phase = max(peaks, key=lambda p: peaks[p])
+    return peaks[phase], phase
 
 
 def _optimizer(model: nn.Module, rule: OptimizerRule, first_step: bool) -> torch.optim.Optimizer:
@@ -252,18 +284,18 @@ def _profiled() -> torch.profiler.profile:
 
 def _real_step(
     model: nn.Module, args: list[torch.Tensor], kwargs: dict[str, torch.Tensor], loss: Loss, target: torch.Tensor | None,
-    opt: torch.optim.Optimizer, name: str,
+    opt: torch.optim.Optimizer, name: str, around: Around,
 ) -> None:
-    """The step users write, each phase in a profiler range; ``out`` and the loss live until its end."""
-    with torch.profiler.record_function(_PHASE_RANGE + Phase.FORWARD.value):
+    """The step users write, each phase wrapped by ``around``; ``out`` and the loss live until its end."""
+    with around(Phase.FORWARD):
         out = model(*args, **kwargs)
-    with torch.profiler.record_function(_PHASE_RANGE + Phase.LOSS.value):
+    with around(Phase.LOSS):
         value = loss.compute(loss.select(out, name), target)
-    with torch.profiler.record_function(_PHASE_RANGE + Phase.BACKWARD.value):
+    with around(Phase.BACKWARD):
         value.backward()
-    with torch.profiler.record_function(_PHASE_RANGE + Phase.OPTIMIZER.value):
+    with around(Phase.OPTIMIZER):
         opt.step()
-    with torch.profiler.record_function(_PHASE_RANGE + Phase.ZERO_GRAD.value):
+    with around(Phase.ZERO_GRAD):
         opt.zero_grad(set_to_none=True)
     del out, value
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fxmem.errors import CaptureError
 from fxmem.results import Category, EnvelopePiece, Peak, Phase, Timeline
 from fxmem.symbolic import ByteExpr
 from fxmem.timeline import steady_step
@@ -126,8 +127,10 @@ class StepPeaks:
     """The step's peak at any batch size, first step or steady, from the timelines fxmem simulated.
 
     ``symbolic`` is the first step's timeline with B symbolic (valid for B >= 2), or None where only
-    concrete timelines are exact; ``exact`` holds concrete ones (always B=1 where a step can run on one
-    sample); ``simulate`` makes another concrete one on demand.
+    concrete timelines are exact; ``exact`` holds concrete ones (B=1 where a step can run on one
+    sample); ``simulate`` makes another concrete one on demand. ``make_symbolic`` and
+    ``make_batch_one``, where given, make those two timelines the first time they are needed: a report
+    at B=1 never needs the symbolic one unless asked about other batches.
     """
 
     symbolic: Timeline | None
@@ -137,17 +140,42 @@ class StepPeaks:
     note: str = ""
     batch_one_error: str = ""
     """Why the step cannot run at B=1 (BatchNorm on one sample); B=1 then follows the symbolic timeline."""
+    make_symbolic: Callable[[], tuple[Timeline | None, str]] | None = field(default=None, repr=False)
+    """Returns the symbolic timeline, or None and why not (then concrete timelines serve every B)."""
+    make_batch_one: Callable[[], Timeline] | None = field(default=None, repr=False)
     _points: dict[tuple[int | None, bool], Points] = field(default_factory=dict, repr=False)
 
     def timeline(self, batch: int, *, first_step: bool = False) -> Timeline:
         first = self._first(batch)
         return first if first_step else steady_step(first)
 
+    def _symbolic(self) -> Timeline | None:
+        if self.make_symbolic is not None:
+            make, self.make_symbolic = self.make_symbolic, None
+            self.symbolic, note = make()
+            self.note = self.note or note
+        return self.symbolic
+
+    def _batch_one(self) -> None:
+        """Make the B=1 timeline; if a step cannot run on one sample, B=1 follows the symbolic timeline."""
+        make, self.make_batch_one = self.make_batch_one, None
+        if make is None:
+            return
+        try:
+            self.exact[1] = make()
+        except CaptureError as e:
+            if self._symbolic() is None:
+                raise
+            self.batch_one_error = str(e)
+
     def _first(self, batch: int) -> Timeline:
+        if batch == 1:
+            self._batch_one()
         if batch in self.exact:
             return self.exact[batch]
-        if self.symbolic is not None and (batch >= 2 or self.batch_one_error):
-            return self.symbolic
+        symbolic = self._symbolic() if batch >= 2 or self.batch_one_error else None
+        if symbolic is not None:
+            return symbolic
         if self.simulate is None:
             raise ValueError(f"no timeline covers B={batch}")
         self.exact[batch] = self.simulate(batch)
@@ -176,11 +204,10 @@ class StepPeaks:
 
     def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
         """The peak's pieces for B >= 2 where the symbolic timeline is linear in B; else ()."""
-        if self.symbolic is None:
+        symbolic = self._symbolic()
+        if symbolic is None:
             return ()
-        pts = self._points_for(2, first_step) if 2 not in self.exact else points(
-            self.symbolic if first_step else steady_step(self.symbolic)
-        )
+        pts = self._points_for(2, first_step) if 2 not in self.exact else points(symbolic if first_step else steady_step(symbolic))
         return envelope(pts) if pts.linear else ()
 
 

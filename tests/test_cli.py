@@ -99,8 +99,7 @@ def test_analyze_reports_its_stages() -> None:
         "capturing saved tensors (concrete pass at B=1)",
         "counting model state",
         "simulating the training step (symbolic pass, batch B)",
-        "simulating the training step at B=1",
-    ]
+    ]  # the B=1 step is simulated when first asked about (the floor, the verdict)
 
 
 class _Stream(io.StringIO):

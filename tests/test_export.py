@@ -171,3 +171,37 @@ def test_eager_code_paths_decide_only_without_tensors_and_are_restored(monkeypat
     with eager_code_paths({"input_ids", "position_ids"}):
         assert masking.find_packed_sequence_indices is originals["find_packed_sequence_indices"]  # the inputs may pack
     assert {n: getattr(masking, n) for n in originals} == originals
+
+
+@pytest.mark.parametrize("seq", [16, 32])
+def test_t5_with_a_symbolic_sequence_matches_its_eager_run(t5: str, seq: int) -> None:
+    # T5 shifts its labels right, so export insists on S >= 3 and says so; fxmem re-exports with the
+    # bound torch suggests (see _suggested_dims).
+    _assert_exact_against_eager(t5, {"input_ids": "B,S:int64", "labels": "B,S:int64"}, seq=seq)
+
+
+@pytest.fixture(scope="module")
+def bert_64(tmp_path_factory: pytest.TempPathFactory) -> str:
+    config = transformers.BertConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64
+    )
+    config.architectures = ["BertForMaskedLM"]
+    return _hf(config, tmp_path_factory)
+
+
+@pytest.mark.parametrize("seq", [16, 32])
+def test_bert_with_a_symbolic_sequence_within_its_positions_matches_its_eager_run(bert_64: str, seq: int) -> None:
+    # BERT's 64 position embeddings bound S: export rejects an unbounded Dim and suggests max=64.
+    _assert_exact_against_eager(bert_64, {"input_ids": "B,S:int64", "labels": "B,S:int64"}, seq=seq)
+
+
+def test_suggested_bounds_are_read_from_torchs_message() -> None:
+    from fxmem.exporting import _suggested_dims
+
+    dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
+    message = "Constraints violated (seq)! ...\nSuggested fixes:\n  seq = Dim('seq', min=3, max=64)"
+    bounded = _suggested_dims(message, dims)
+    assert bounded is not None and bounded["B"] is dims["B"]
+    assert (bounded["S"].min, bounded["S"].max) == (3, 64)
+    assert _suggested_dims("Suggested fixes:\n  seq = 16", dims) is None  # a constant: S cannot stay symbolic
+    assert _suggested_dims("Suggested fixes:\n  seq = Dim('seq', max=8)", dims) is None  # excludes the example S=16
