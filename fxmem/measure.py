@@ -84,20 +84,27 @@ def measure(
     specs, loss_fn = parse_inputs(inputs), get_loss(loss)
     torch.manual_seed(seed)
     real = materialize(model).train()
-    try:
+    with _real_run(model, batch):
         total = _eager_total(real, specs, loss_fn, batch, seq_len)
+    traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
+    capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch, seq=seq_len)
+    return Measurement(batch, total, node_bytes_at(capture))
+
+
+@contextlib.contextmanager
+def _real_run(model: nn.Module, batch: int, where: str = "CPU") -> Iterator[None]:
+    """A real run's failure as one clear error instead of torch's traceback."""
+    try:
+        yield
     except FxmemError:
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise CaptureError(
-            f"model '{type(model).__name__}': the real CPU run at B={batch} failed ({type(e).__name__}: {first}); "
+            f"model '{type(model).__name__}': the real {where} run at B={batch} failed ({type(e).__name__}: {first}); "
             "fake tensors cannot see this (they carry shapes, not values), so check the --input shapes and values "
             "the model expects (token ids are zeros, sequence lengths within its context)."
         ) from e
-    traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
-    capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch, seq=seq_len)
-    return Measurement(batch, total, node_bytes_at(capture))
 
 
 def materialize(model: nn.Module) -> nn.Module:
@@ -210,16 +217,18 @@ def measure_peak(
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     name = type(model).__name__
-    with torch.no_grad():  # the target's shape comes from the output; the data loader made it beforehand
+    with _real_run(model, batch), torch.no_grad():  # the target's shape comes from the output; the data loader made it beforehand
         target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
-    opt = _optimizer(real, rule, first_step)
+    with _real_run(model, batch):
+        opt = _optimizer(real, rule, first_step)
     held = [*real.parameters(), *real.buffers(), *tensors, *([target] if target is not None else [])]
     held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.device == tensors[0].device]
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
     if torch.device(device).type == "cuda":
-        top, phase = _cuda_peak(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around))
+        with _real_run(model, batch, "CUDA"):
+            top, phase = _cuda_peak(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around))
         return PeakMeasurement(batch, first_step, top, phase, baseline, {})
-    with _quiet_stderr(), _profiled() as prof:
+    with _real_run(model, batch), _quiet_stderr(), _profiled() as prof:
         _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range)
     top, at, phase = _highest(prof)
     return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at))

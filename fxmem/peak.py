@@ -22,65 +22,38 @@ __all__ = ["Points", "StepPeaks", "envelope", "points"]
 _NO_PHASE = Phase.FORWARD
 """The phase reported for a step that allocates nothing (its peak is the baseline, before the forward)."""
 
-Terms = tuple[tuple[int, int, int], ...]
-"""A polynomial as (power of B, power of S, coefficient) terms."""
-
-
-def _terms(e: ByteExpr) -> dict[tuple[int, int], int]:
-    terms = {(1, 0): e.per_sample, (0, 0): e.fixed}
-    terms.update({(k + 2, 0): c for k, c in enumerate(e.higher)})
-    terms.update({(i, j): c for i, j, c in e.seq_terms})
-    return {k: c for k, c in terms.items() if c}
-
-
-def _value(terms: Terms, batch: int, seq: int | None) -> int:
-    return sum(c * batch**i * (seq**j if j and seq is not None else 1) for i, j, c in terms)
-
-
 @dataclass(frozen=True)
 class Points:
     """The live bytes right after each allocation of a timeline (``event`` indexes ``timeline.events``)."""
 
     timeline: Timeline
     event: tuple[int, ...]
-    terms: tuple[Terms, ...]
+    totals: tuple[ByteExpr, ...]
 
     @property
     def linear(self) -> bool:
-        return all(i <= 1 and j == 0 for t in self.terms for i, j, _c in t)
+        return all(t.is_linear and not t.seq_terms for t in self.totals)
 
     def highest(self, batch: int, seq: int | None) -> tuple[int, int]:
         """(bytes, position) of the first point that reaches the maximum at ``batch``."""
-        best, where = -1, 0
-        for k, t in enumerate(self.terms):
-            v = _value(t, batch, seq)
-            if v > best:
-                best, where = v, k
-        return best, where
+        values = [t.at(batch, seq) for t in self.totals]
+        best = max(values)
+        return best, values.index(best)
 
 
 def points(timeline: Timeline) -> Points:
-    live: dict[tuple[int, int], int] = {}
-    for held in timeline.baseline.values():
-        for k, c in _terms(held).items():
-            live[k] = live.get(k, 0) + c
-    cache: dict[ByteExpr, dict[tuple[int, int], int]] = {}
+    live = ByteExpr.total(timeline.baseline.values())
     event: list[int] = []
-    terms: list[Terms] = []
+    totals: list[ByteExpr] = []
     for n, e in enumerate(timeline.events):
-        delta = cache.get(e.nbytes)
-        if delta is None:
-            delta = cache[e.nbytes] = _terms(e.nbytes)
-        sign = 1 if e.alloc else -1
-        for k, c in delta.items():
-            live[k] = live.get(k, 0) + sign * c
+        live = live + e.nbytes if e.alloc else live - e.nbytes
         if e.alloc:
             event.append(n)
-            terms.append(tuple((i, j, c) for (i, j), c in sorted(live.items()) if c))
+            totals.append(live)
     if not event:  # a step that allocates nothing still holds its baseline
-        terms.append(tuple((i, j, c) for (i, j), c in sorted(live.items()) if c))
         event.append(-1)
-    return Points(timeline, tuple(event), tuple(terms))
+        totals.append(live)
+    return Points(timeline, tuple(event), tuple(totals))
 
 
 def envelope(pts: Points, first_batch: int = 2) -> tuple[EnvelopePiece, ...]:
@@ -89,7 +62,7 @@ def envelope(pts: Points, first_batch: int = 2) -> tuple[EnvelopePiece, ...]:
     From ``first_batch`` on, the highest line is followed until a steeper one overtakes it, at the
     first integer B where it is strictly higher; ties keep the earlier moment of the step.
     """
-    lines = [(dict(((i, j), c) for i, j, c in t).get((1, 0), 0), dict(((i, j), c) for i, j, c in t).get((0, 0), 0)) for t in pts.terms]
+    lines = [(t.per_sample, t.fixed) for t in pts.totals]
     best_per_slope: dict[int, tuple[int, int]] = {}
     for k, (a, c) in enumerate(lines):
         if a not in best_per_slope or c > lines[best_per_slope[a][1]][1]:
@@ -200,7 +173,7 @@ class StepPeaks:
         if index < 0:
             return Peak(batch, top, first_step, _NO_PHASE, "", "", "", breakdown)
         e = timeline.events[index]
-        return Peak(batch, top, first_step, e.phase, e.node, e.fqn, e.op, breakdown)
+        return Peak(batch, top, first_step, e.phase, e.node, e.fqn, e.op, breakdown, index)
 
     def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
         """The peak's pieces for B >= 2 where the symbolic timeline is linear in B; else ()."""

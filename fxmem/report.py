@@ -344,10 +344,10 @@ def render_timeline(timeline: Timeline, peak: Peak, batch: int, seq: int | None,
     table = tabulate(rows, headers=["Phase", "At start", "Highest", "Where (node, op)", "At end"], disable_numparse=True)
     split = ", ".join(f"{c.value} {format_bytes(n)}" for c, n in peak.breakdown.items())
     lines = [head, table, f"Peak {format_bytes(peak.bytes)} ({peak.bytes} B) in {peak.phase} at {peak.node} ({peak.op}). Alive there: {split}."]
-    largest = _alive_at_peak(timeline, peak, batch, seq)[:top]
-    if largest:
-        body = [[e.category.value, e.node, e.op, format_bytes(n)] for e, n in largest]
-        lines.append(f"Largest storages made during the step and alive at the peak (of {len(_alive_at_peak(timeline, peak, batch, seq))}):\n"
+    alive = _alive_at_peak(timeline, peak, batch, seq)
+    if alive:
+        body = [[e.category.value, e.node, e.op, format_bytes(n)] for e, n in alive[:top]]
+        lines.append(f"Largest storages made during the step and alive at the peak (of {len(alive)}):\n"
                      + tabulate(body, headers=["Category", "Made by", "Op", "Bytes"], disable_numparse=True))  # fmt: skip
     return "\n\n".join(lines) + "\n"
 
@@ -360,13 +360,9 @@ def _phase_row(current: list[Any], end: int) -> list[str]:
 def _alive_at_peak(timeline: Timeline, peak: Peak, batch: int, seq: int | None) -> list[tuple[Any, int]]:
     """Storages allocated during the step and still alive right after the peak's allocation, largest first."""
     live: dict[int, Any] = {}
-    for e in timeline.events:
+    for e in timeline.events[: peak.event + 1]:
         if e.alloc:
             live[e.storage] = e
         else:
             live.pop(e.storage, None)
-        if e.alloc and e.nbytes.at(batch, seq) and sum(x.nbytes.at(batch, seq) for x in live.values()) + sum(
-            b.at(batch, seq) for b in timeline.baseline.values()
-        ) == peak.bytes and e.phase == peak.phase and e.node == peak.node:
-            break
     return sorted(((e, e.nbytes.at(batch, seq)) for e in live.values()), key=lambda x: -x[1])

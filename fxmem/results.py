@@ -143,6 +143,8 @@ class Peak:
     fqn: str
     op: str
     breakdown: Mapping[Category, int]
+    event: int = -1
+    """Index of the allocation at the peak in its timeline's ``events`` (-1: the baseline, before any)."""
 
     @property
     def state(self) -> int:

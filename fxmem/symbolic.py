@@ -54,6 +54,12 @@ class ByteExpr:
         seq_terms = tuple(sorted((i, j, c) for (i, j), c in seq.items() if c))
         return ByteExpr(self.per_sample + other.per_sample, self.fixed + other.fixed, _trim(higher), seq_terms)
 
+    def __neg__(self) -> ByteExpr:
+        return ByteExpr(-self.per_sample, -self.fixed, tuple(-c for c in self.higher), tuple((i, j, -c) for i, j, c in self.seq_terms))
+
+    def __sub__(self, other: ByteExpr) -> ByteExpr:
+        return self + -other
+
     def at(self, batch: int, seq: int | None = None) -> int:
         """The bytes at one batch size (and sequence length, where S is symbolic)."""
         if self.seq_terms and seq is None:

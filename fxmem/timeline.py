@@ -70,7 +70,6 @@ class _Storage:
 
     number: int
     nbytes: object
-    phase: Phase
     node: str
     fqn: str
     op: str
@@ -78,12 +77,11 @@ class _Storage:
 
 @dataclass
 class _Raw:
+    """An allocation or release, in order; a release keeps the phase it was seen in."""
+
     alloc: bool
     storage: _Storage
     phase: Phase
-    node: str
-    fqn: str
-    op: str
 
 
 @dataclass(eq=False)
@@ -117,7 +115,7 @@ class _Tracker(TorchDispatchMode):
         """Record the release of every storage that has died since the last poll."""
         dead = [key for key in self.live if key.expired()]
         for key in dead:
-            self.raw.append(_Raw(False, self.live.pop(key), self.phase, self.node, self.fqn, ""))
+            self.raw.append(_Raw(False, self.live.pop(key), self.phase))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -141,18 +139,18 @@ class _Tracker(TorchDispatchMode):
 
     def _transient(self, nbytes: object, node: str, fqn: str, op: str) -> None:
         """A kernel's workspace: allocated and released within the op, alive with its outputs."""
-        storage = _Storage(len(self.raw), nbytes, self.phase, node, fqn, op)
-        self.raw.append(_Raw(True, storage, self.phase, node, fqn, op))
-        self.raw.append(_Raw(False, storage, self.phase, node, fqn, op))
+        storage = _Storage(len(self.raw), nbytes, node, fqn, op)
+        self.raw.append(_Raw(True, storage, self.phase))
+        self.raw.append(_Raw(False, storage, self.phase))
 
     def _allocated(self, t: torch.Tensor, nbytes: object, node: str, fqn: str, op: str) -> None:
         key = StorageWeakRef(t.untyped_storage())
         if key in self.live or key in self.permanent:
             return
         size = t.untyped_storage().nbytes() if nbytes is None else nbytes
-        storage = _Storage(len(self.raw), size, self.phase, node, fqn, op)
+        storage = _Storage(len(self.raw), size, node, fqn, op)
         self.live[key] = storage
-        self.raw.append(_Raw(True, storage, self.phase, node, fqn, op))
+        self.raw.append(_Raw(True, storage, self.phase))
         if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
             self.names[key] = node
 
@@ -264,6 +262,9 @@ def simulate_step(
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
             opt = optimizer.make(trainable) if trainable else None  # a frozen model has no step to take
+            # OpRuleMode on top only decomposes composite ops as eager CPU does, so that their inner ops
+            # reach the tracker below it one by one; the tracker applies the op rules itself, since it
+            # must know a storage's true size when it records the allocation.
             with tracker, OpRuleMode({}, {}):
                 categories = _run_step(gm, tracker, fake, values, loss, opt, params, model)
     fake.check_symbols()
@@ -297,13 +298,13 @@ def _run_step(
             target = loss.make_target(output)
         if target is not None:
             tracker.adopt(target, Category.INPUT)
-        value = _compute_loss(loss, output, target, model)
+        value = _guarded(fake, model, f"the loss '{loss.name}'", lambda: loss.compute(output, target))
     _mark(tracker, categories, out, Category.ACTIVATION)  # the caller holds the output
     _label_autograd(value, (LOSS_NODE, "(loss)"))
     _label_accumulators(params, value)
     tracker.phase = Phase.BACKWARD
     if value.requires_grad:  # nothing to differentiate when every parameter is frozen
-        value.backward()
+        _guarded(fake, model, "backward()", value.backward)
     tracker.poll()
     tracker.phase, tracker.node, tracker.fqn = Phase.OPTIMIZER, "optimizer.step", ""
     for name, p in params.items():
@@ -311,7 +312,7 @@ def _run_step(
             _mark(tracker, categories, p.grad, Category.GRADIENT)
             tracker.names[StorageWeakRef(p.grad.untyped_storage())] = name
     if opt is not None:
-        opt.step()
+        _guarded(fake, model, "optimizer.step()", opt.step)
         tracker.poll()
         _mark(tracker, categories, [list(s.values()) for s in opt.state.values()], Category.OPTIMIZER_STATE)
         tracker.phase, tracker.node = Phase.ZERO_GRAD, "zero_grad"
@@ -321,14 +322,23 @@ def _run_step(
     return categories
 
 
-def _compute_loss(loss: Loss, output: torch.Tensor, target: torch.Tensor | None, model: str) -> torch.Tensor:
+def _guarded(fake: FakeBatch, model: str, what: str, run: Callable[[], Any]) -> Any:
+    """Run one part of the simulated step; a failure names the model and the part.
+
+    With a symbolic B (or S) the failure may be the symbols' fault (a kernel that needs concrete
+    sizes), so it is SymbolicUnsupported, and concrete passes take over; at concrete sizes it is a
+    CaptureError the user sees.
+    """
     try:
-        return loss.compute(output, target)
-    except FxmemError:
+        return run()
+    except (FxmemError, SymbolicUnsupported, KeyboardInterrupt):
         raise
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise CaptureError(f"model '{model}': the loss '{loss.name}' failed on the output: {type(e).__name__}: {first}") from e
+        message = f"model '{model}': {what} failed in the simulated training step: {type(e).__name__}: {first}"
+        if fake.symbols:
+            raise SymbolicUnsupported(message) from e
+        raise CaptureError(message + "; check the inputs, the loss and the optimizer, or pass --no-peak (peak=False).") from e
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -363,9 +373,9 @@ def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int 
             r.alloc,
             convert(r.storage.nbytes),
             categories.get(r.storage.number, Category.TEMPORARY),
-            r.node if r.alloc else r.storage.node,
-            r.fqn if r.alloc else r.storage.fqn,
-            r.op if r.alloc else r.storage.op,
+            r.storage.node,
+            r.storage.fqn,
+            r.storage.op,
             r.storage.number,
         )
         for r in tracker.raw

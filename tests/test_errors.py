@@ -249,3 +249,8 @@ def test_a_real_run_that_fails_is_one_paragraph(capsys: pytest.CaptureFixture[st
     # `measure` sees that 64 positions index past the position embedding.
     line = error_line(capsys, "measure", "zoo:gpt2-small:test", "--input", "B,S:int64", "--seq-len", "64", "--batch", "2")
     assert "the real CPU run at B=2 failed" in line and "IndexError" in line
+
+
+def test_measure_peak_with_a_shape_the_model_rejects_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    line = error_line(capsys, "measure", f"{M}:linear_8_4", "--input", "B,7", "--peak")
+    assert line.startswith("fxmem: error:") and "Traceback" not in line
