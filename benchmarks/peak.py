@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     print(f"{'model':<12}{'B':>3}{'step':>8}{'predicted':>14}{'measured':>14}{'ratio':>9}  phase (predicted / measured)")
     for name in ZOO:
         spec = fxmem.load_model(f"zoo:{name}:test")
-        report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name)
+        report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name, target="cpu")
         for batch in batches:
             for first in (True, False):
                 real = fxmem.load_model(f"zoo:{name}:test", meta=False).model

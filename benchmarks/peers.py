@@ -4,7 +4,7 @@ For each zoo model and batch size this runs, in one process:
 
 - the truth: ``fxmem.measure(...).total``, a real CPU forward + loss that records every tensor autograd
   saves (each storage once; parameters, buffers, inputs and targets left out);
-- fxmem: ``analyze(...).activation_bytes(B)`` from a trace on fake tensors;
+- fxmem: ``analyze(..., target="cpu").activation_bytes(B)`` from a trace on fake tensors;
 - torchinfo: ``summary(..., mode="train")``'s "Forward/backward pass size" (a real forward with hooks);
 - PyTorch's MemTracker: its Activation category after one fake forward + loss (then backward).
 
@@ -120,7 +120,7 @@ def failure(e: BaseException) -> str:
 
 def run_fxmem(meta_model: nn.Module, inputs: Sequence[str], loss: str, batch: int) -> tuple[Estimate, fxmem.Report]:
     """fxmem's predicted saved activations at ``batch`` (the report is kept for the reference totals)."""
-    report, seconds = timed(lambda: fxmem.analyze(meta_model, inputs, loss=loss, optimizer="adamw"))
+    report, seconds = timed(lambda: fxmem.analyze(meta_model, inputs, loss=loss, optimizer="adamw", target="cpu"))
     return Estimate(report.activation_bytes(batch), seconds), report
 
 
@@ -283,7 +283,7 @@ def totals_table(rows: Sequence[Row]) -> str:
 
 NOTES = """\
 - *measured*: `fxmem.measure(...).total`, a real CPU forward + loss recording every tensor autograd saves (each storage once; parameters, buffers, inputs, targets excluded). *measure s* covers its eager run and its second, traced run.
-- *fxmem*: `fxmem.analyze(...).activation_bytes(B)`, one fake-tensor analysis (valid for every B; rerun per row for the timing).
+- *fxmem*: `fxmem.analyze(..., target="cpu").activation_bytes(B)`, one fake-tensor analysis (valid for every B; rerun per row for the timing).
 - *torchinfo*: `summary(model, input_size, dtypes, mode="train").total_output_bytes`, its "Forward/backward pass size": 2 x the output bytes of each leaf module with parameters.
 - *MemTracker*: `torch.distributed._tools.mem_tracker.MemTracker` under `FakeTensorMode` (CPU device): its Activation bytes right after forward + loss, with the output dropped, i.e. the forward tensors still alive, which is what autograd keeps (plus the scalar loss); the loss target is filed as Other, as the truth leaves targets out; backward is then run.
 - torchinfo's params size (totals table) sums the parameters of leaf modules only: one held directly by a container module (ViT's class token and position embedding) is not in it.

@@ -50,7 +50,7 @@ def _child(name: str, what: str) -> None:
     model, inputs = _build(name)
     start = time.perf_counter()
     if what == "fxmem":
-        report = fxmem.analyze(model, inputs, loss="lm_cross_entropy", batch=BATCH, peak=False)
+        report = fxmem.analyze(model, inputs, loss="lm_cross_entropy", batch=BATCH, peak=False, target="cpu")
         extra = {"params": report.state.parameters, "total_at_batch": report.total_bytes(BATCH)}
     else:
         gm = torch.fx.symbolic_trace(model)

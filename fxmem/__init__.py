@@ -17,23 +17,47 @@ from fxmem.errors import (
     NotSimulatedError,
     TraceError,
 )
+from fxmem.gpus import GPUS, GpuSpec
 from fxmem.inputs import InputSpec, parse_inputs, parse_size
 from fxmem.load import load_model
 from fxmem.measure import Measurement, PeakMeasurement, measure, measure_peak
-from fxmem.results import Category, EnvelopePiece, Kind, MemoryEvent, ModelSpec, NodeRecord, Peak, Phase, Report, StateBytes, Timeline
+from fxmem.precision import RECIPES, PrecisionRecipe
+from fxmem.results import (
+    Category,
+    DevicePeak,
+    EnvelopePiece,
+    Kind,
+    MemoryEvent,
+    ModelSpec,
+    NodeRecord,
+    OpCostRecord,
+    Peak,
+    Phase,
+    Report,
+    StateBytes,
+    Timeline,
+)
+from fxmem.roofline import StepTime
 from fxmem.rules.ops import register_op_rule
 from fxmem.rules.optimizers import OptimizerRule, register_optimizer
 from fxmem.symbolic import ByteExpr
+from fxmem.tradeoff import FlopCount, TradeoffRow
+from fxmem.training import TrainingSetup
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GPUS",
+    "RECIPES",
     "ByteExpr",
     "CaptureError",
     "Category",
+    "DevicePeak",
     "DuplicateRuleError",
     "EnvelopePiece",
+    "FlopCount",
     "FxmemError",
+    "GpuSpec",
     "InputSpec",
     "InputSpecError",
     "Kind",
@@ -44,14 +68,19 @@ __all__ = [
     "NodeRecord",
     "NonLinearBatchError",
     "NotSimulatedError",
+    "OpCostRecord",
     "OptimizerRule",
     "Peak",
     "PeakMeasurement",
     "Phase",
+    "PrecisionRecipe",
     "Report",
     "StateBytes",
+    "StepTime",
     "Timeline",
     "TraceError",
+    "TradeoffRow",
+    "TrainingSetup",
     "__version__",
     "analyze",
     "load_model",

@@ -9,16 +9,20 @@ from torch import fx, nn
 
 from fxmem.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
 from fxmem.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
+from fxmem.device import DeviceModel, device_model
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.losses import Loss, get_loss
 from fxmem.peak import StepPeaks
-from fxmem.results import Accounting, Capture, Report, Timeline
+from fxmem.results import Accounting, Capture, Report, StateBytes, Timeline
 from fxmem.rules.ops import op_rules_for, workspace_rules_for
-from fxmem.rules.optimizers import OptimizerRule
+from fxmem.rules.optimizers import OptimizerRule, default_impl
+from fxmem.sharding import PerGpuState, shard_state, units_of
 from fxmem.state import get_optimizer, state_bytes
 from fxmem.timeline import simulate_step
 from fxmem.tracing import trace_model
+from fxmem.tradeoff import BN_THRESHOLD, batchnorm_layers
+from fxmem.training import DEFAULT_GPU, TrainingSetup
 
 __all__ = ["analyze"]
 
@@ -39,6 +43,15 @@ def analyze(
     strict: bool = False,
     peak: bool = True,
     progress: Callable[[str], None] | None = None,
+    target: str = "cuda",
+    gpu: str = DEFAULT_GPU,
+    amp: str | None = None,
+    precision: str = "",
+    world_size: int = 1,
+    shard: str = "none",
+    optimizer_impl: str | None = None,
+    overheads: Mapping[str, int] | None = None,
+    bn_threshold: int = BN_THRESHOLD,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -53,8 +66,19 @@ def analyze(
     phrase as each stage starts; the CLI shows these for stages that take long. The library never prints.
     ``peak`` simulates the whole training step (forward, loss, backward, optimizer step) for its
     peak, which ``max_batch`` and ``device_memory`` then use; ``peak=False`` skips it.
+
+    ``target`` is the device the step is for: "cuda" (the default; the GPU named by ``gpu``, see
+    ``fxmem.gpus.GPUS``), where kernels save what CUDA's save, the caching allocator rounds every block
+    and fixed costs (context, library workspaces; ``overheads`` overrides them by name) are added; or
+    "cpu", which is what ``fxmem.measure`` checks exactly. ``amp`` ("bf16"/"fp16") runs the forward under
+    autocast with the target's cast policy; ``precision`` names the state recipe (see
+    ``fxmem.precision``); ``world_size`` and ``shard`` ("zero1", "zero2", "zero3", "fsdp") give the
+    per-GPU share of a sharded run; ``optimizer_impl`` is "foreach", "fused" or "for-loop".
+    ``bn_threshold``: per-device batches below it get the batch-norm caveat where the model has
+    batch-statistics layers (``Report.batchnorm_caveat``).
     """
     name = name or type(model).__name__
+    setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}))
     specs, loss_fn, opt = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
     _check_model_args(model, leaf_types)
@@ -64,26 +88,56 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    accounting = _account(gm, specs, loss_fn, name, say, seq, strict)
+    accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup)
     say("counting model state")
-    state = state_bytes(model, optimizer=opt, param_dtype=param_dtype)
-    evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict)
-    steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch) if peak else None
-    return Report(name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps)
+    impl = setup.optimizer_impl or default_impl(opt, setup.target)
+    state, per_gpu, device = _state(model, opt, param_dtype, setup, impl)
+    evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict, setup)
+    steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch, setup, impl, device) if peak else None
+    if device_memory is None and setup.cuda:
+        device_memory = setup.device.memory_bytes
+    return Report(
+        name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
+        bn_layers=batchnorm_layers(model), bn_threshold=_check_threshold(bn_threshold),
+    )  # fmt: skip
+
+
+def _state(
+    model: nn.Module, opt: OptimizerRule, param_dtype: torch.dtype | None, setup: TrainingSetup, impl: str
+) -> tuple[StateBytes, PerGpuState, DeviceModel | None]:
+    """The model state under the recipe, one GPU's share of it, and (cuda) how that GPU holds the step.
+
+    The step is simulated with the model's own dtypes; the device model scales its state to the recipe
+    and the sharding stage (Note [Per-GPU state in the replay] in fxmem/device.py).
+    """
+    count = lambda precision: state_bytes(
+        model, optimizer=opt, param_dtype=param_dtype, precision=precision, optimizer_impl=impl, target=setup.target
+    )
+    state = count(setup.precision or None)
+    units = units_of(model, setup.shard) if setup.shard in ("zero3", "fsdp") else []
+    per_gpu = shard_state(state, world_size=setup.world_size, stage=setup.shard, units=units)
+    if not setup.cuda:
+        return state, per_gpu, None
+    fused = impl == "fused"
+    return state, per_gpu, device_model(setup.device, setup.overheads, fused=fused, simulated=count(None), per_gpu=per_gpu)
 
 
 def _simulate_steps(
     gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, opt: OptimizerRule, name: str, say: Callable[[str], None],
-    seq: int | None, batch: int,
+    seq: int | None, batch: int, setup: TrainingSetup, impl: str, device: DeviceModel | None,
 ) -> StepPeaks:
     """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
     the report's own batch now (so that a failing step fails analyze), concrete ones on demand."""
-    rules, workspaces = op_rules_for("cpu"), workspace_rules_for("cpu")
+    rules, workspaces = op_rules_for(setup.target), workspace_rules_for(setup.target)
+    kernels = setup.kernels()
 
     def run(b: int | None) -> Timeline:
         if b is not None:
             say(f"simulating the training step at B={b}")
-        return simulate_step(gm, specs, loss=loss, optimizer=opt, batch=b, rules=rules, workspaces=workspaces, model=name, seq=seq if b else None)
+        return simulate_step(
+            gm, specs, loss=loss, optimizer=opt, batch=b, rules=rules, workspaces=workspaces, model=name,
+            seq=seq if b else None, kernels=kernels, optimizer_impl=impl,
+        )
 
     def symbolic() -> tuple[Timeline | None, str]:
         say("simulating the training step (symbolic pass, batch B)")
@@ -92,7 +146,7 @@ def _simulate_steps(
         except (SymbolicUnsupported, BatchSpecialized) as e:
             return None, f"the step is simulated at each batch size asked ({e})"
 
-    steps = StepPeaks(None, {}, run, seq, make_symbolic=symbolic, make_batch_one=lambda: run(1))
+    steps = StepPeaks(None, {}, run, seq, make_symbolic=symbolic, make_batch_one=lambda: run(1), device=device)
     steps.peak(batch)
     return steps
 
@@ -105,12 +159,13 @@ def _account(
     say: Callable[[str], None],
     seq: int | None,
     strict: bool,
+    setup: TrainingSetup,
 ) -> Accounting:
     """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B.
 
     Concrete passes (B=1 included) run at the sequence length ``seq`` where an input has a symbolic S.
     """
-    run = _pass(gm, specs, loss, name, strict)
+    run = _pass(gm, specs, loss, name, strict, setup)
     try:
         say("capturing saved tensors (symbolic pass, batch B)")
         symbolic = run(None, None)
@@ -151,13 +206,13 @@ def _batch_one(run: Callable[[int | None, int | None], Capture], seq: int | None
 
 
 def _pass(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, strict: bool = False
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, strict: bool, setup: TrainingSetup
 ) -> Callable[[int | None, int | None], Capture]:
     """One fake pass at (batch, seq); None makes that axis symbolic."""
+    rules, kernels = op_rules_for(setup.target), setup.kernels()
 
     def run(batch: int | None, seq: int | None) -> Capture:
-        rules = op_rules_for("cpu")
-        return capture_saved(gm, specs, loss=loss, batch=batch, seq=seq, rules=rules, model=name, strict=strict)
+        return capture_saved(gm, specs, loss=loss, batch=batch, seq=seq, rules=rules, model=name, strict=strict, kernels=kernels)
 
     return run
 
@@ -179,12 +234,18 @@ def _silent(_message: str) -> None:
 
 
 def _concrete_evaluator(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, seq: int | None, strict: bool
+    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, seq: int | None, strict: bool, setup: TrainingSetup
 ) -> Callable[[int], Mapping[str, int]]:
     """Exact bytes per node at any B by one more concrete fake pass (see Note [Concrete passes])."""
-    run = _pass(gm, specs, loss, name, strict)
+    run = _pass(gm, specs, loss, name, strict, setup)
 
     return lambda batch: node_bytes_at(run(batch, seq))
+
+
+def _check_threshold(threshold: object) -> int:
+    if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 1:
+        raise InputSpecError(f"bn_threshold (--bn-threshold) is a batch size, 1 or more; got {threshold!r}.")
+    return threshold
 
 
 def _check_model_args(model: object, leaf_types: Iterable[object]) -> None:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,10 +298,13 @@ def capture_saved(
     model: str = "model",
     seq: int | None = None,
     strict: bool = False,
+    kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> Capture:
     """Run ``gm`` on fake tensors at a concrete ``batch``, or with a symbolic B when ``batch`` is None.
 
-    Inputs with a sequence axis S get ``seq``, or one symbolic S when ``seq`` is None.
+    Inputs with a sequence axis S get ``seq``, or one symbolic S when ``seq`` is None. The forward and
+    the loss run inside ``kernels()``: the target device's kernel choices and autocast policy
+    (``TrainingSetup.kernels``).
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B (and S).
     """
     fake = fake_batch(specs, batch, seq)
@@ -308,7 +312,7 @@ def capture_saved(
         book = _new_book(gm, fake.inputs, fake.symbols.get("B"), fake.symbols.get("S"))
         book.strict = strict
         values = bind_inputs(gm, specs, fake.inputs, model)
-        with fake.mode, OpRuleMode(rules, book.overrides):
+        with fake.mode, OpRuleMode(rules, book.overrides), kernels():
             infos = _run(gm, book, values, loss, model)
     fake.check_symbols()
     try:

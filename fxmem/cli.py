@@ -13,22 +13,26 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import NoReturn, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 from tabulate import tabulate
 
 from fxmem.api import analyze
 from fxmem.errors import FxmemError, InputSpecError
+from fxmem.gpus import GPUS
 from fxmem.inputs import parse_dtype, parse_inputs, parse_size
 from fxmem.load import load_leaf_types, load_model
 from fxmem.losses import LOSSES
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
+from fxmem.precision import RECIPES
 from fxmem.report import FORMATS, format_bytes, render, render_timeline
 from fxmem.results import ModelSpec, Peak, Report
 from fxmem.rules.optimizers import OPTIMIZERS
 from fxmem.state import get_optimizer
 from fxmem.tracing import FRONTENDS
+from fxmem.tradeoff import BN_THRESHOLD
+from fxmem.training import AMP_DTYPES, DEFAULT_GPU, IMPLS, SHARDS, TARGETS
 
 __all__ = ["main"]
 
@@ -91,6 +95,33 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
 
 
+def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
+    """Where and how the step runs: target device and GPU, autocast, precision, sharding."""
+    g = p.add_argument_group("training setup")
+    g.add_argument("--target", choices=TARGETS, default=target, help=f"the device the step runs on (default {target}): cuda predicts what the GPU keeps (its kernels, caching allocator and fixed costs); cpu is what 'fxmem measure' checks exactly")
+    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU})")
+    g.add_argument("--amp", choices=list(AMP_DTYPES), help="run the forward and the loss under autocast in this dtype, with the target's cast policy")
+    g.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32)")
+    g.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
+    g.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
+    g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
+    g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
+
+
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    """analyze()'s training-setup keywords from the options of _setup_options."""
+    overheads: dict[str, int] = {}
+    for item in args.overhead:
+        name, eq, size = item.partition("=")
+        if not eq:
+            raise InputSpecError(f"--overhead '{item}': write NAME=SIZE, e.g. --overhead cuda_context=600MiB.")
+        overheads[name] = parse_size(size, f"--overhead {name}")
+    return {
+        "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
+        "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
+    }  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fxmem", description="How much memory one training step of a PyTorch model needs, per layer, at every batch size.", epilog=_SECURITY)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -107,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
     a.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
     a.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
+    a.add_argument("--bn-threshold", type=int, default=BN_THRESHOLD, metavar="N", help=f"warn about batch-norm statistics when the per-GPU batch (chosen, or the largest that fits) is under N (default {BN_THRESHOLD})")
+    _setup_options(a)
     m = sub.add_parser("measure", help="run one real forward (or, with --peak, a whole step) on the CPU and print measured beside predicted",
                        description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
                        "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
@@ -115,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step instead of the saved activations: with torch.profiler on the CPU, or torch.cuda.max_memory_allocated where CUDA is present")
     m.add_argument("--optimizer", default="adamw", help="with --peak: the optimizer of the step (default adamw)")
     m.add_argument("--first-step", action="store_true", help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)")
+    _setup_options(m, target="cuda" if torch.cuda.is_available() else "cpu")
     t = sub.add_parser("timeline", help="simulate one training step and show its memory over time, phase by phase",
                        description="Simulate one training step on fake tensors and show its memory phase by phase: where it peaks and what is alive there.", epilog=_SECURITY)  # fmt: skip
     _model_options(t)
@@ -122,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
     t.add_argument("--first-step", action="store_true", help="the first step, which creates the optimizer state (default: a steady step)")
     t.add_argument("--plot", metavar="FILE.png", help="draw the memory over time by category (needs matplotlib: pip install 'fxmem[plot]')")
+    _setup_options(t)
     sub.add_parser("zoo", help="list the zoo's models with their parameters and default inputs")
     return parser
 
@@ -211,7 +246,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
-        seq_len=args.seq_len, strict=args.strict, peak=not args.no_peak, progress=say,
+        seq_len=args.seq_len, strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold, **_setup(args),
     )  # fmt: skip
     text = render(report, args.format, depth=args.depth, top=args.top)
     if args.plot:
@@ -231,7 +266,7 @@ def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     leaves = load_leaf_types(args.leaf, spec.model)
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec, leaf_types=leaves,
-        frontend=args.frontend, seq_len=args.seq_len, progress=say,
+        frontend=args.frontend, seq_len=args.seq_len, progress=say, peak=False, target="cpu",
     )  # fmt: skip
     say(f"running the model for real on the CPU at B={args.batch}")
     measured = measure(
@@ -260,6 +295,7 @@ def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, batch=args.batch, name=args.spec,
         leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend, seq_len=args.seq_len, progress=say,
+        **_setup(args),
     )  # fmt: skip
     return spec, report
 
@@ -268,11 +304,13 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     opt = get_optimizer(args.optimizer).name
     spec, report = _step_report(args, say, opt)
     predicted = report.peak(args.batch, first_step=args.first_step)
-    say(f"running one training step for real on the CPU at B={args.batch}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # a GPU measures what the GPU keeps
+    device = args.target  # a GPU measures what the GPU keeps
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputSpecError("measure --peak --target cuda runs the step on a GPU, and this machine has no CUDA device; use --target cpu here.")
+    say(f"running one training step for real on the {device.upper()} at B={args.batch}")
     measured = measure_peak(
         materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step,
-        seq_len=report.seq_len, device=device,
+        seq_len=report.seq_len, device=device, amp=args.amp, optimizer_impl=args.optimizer_impl,
     )  # fmt: skip
     return _peak_comparison(predicted, measured, device)
 
@@ -280,15 +318,16 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
 def _peak_comparison(predicted: Peak, measured: PeakMeasurement, device: str = "cpu") -> str:
     """Measured and predicted peak side by side, each split by its own categories (the profiler's and fxmem's)."""
     step = "first step" if predicted.first_step else "steady step"
-    rows = [["Peak", format_bytes(measured.bytes), format_bytes(predicted.bytes)], ["Phase", measured.phase.value, predicted.phase.value]]
+    peak = predicted.device.allocated if predicted.device is not None else predicted.bytes  # max_memory_allocated on a GPU
+    rows = [["Peak", format_bytes(measured.bytes), format_bytes(peak)], ["Phase", measured.phase.value, predicted.phase.value]]
     names = sorted({*measured.breakdown, *(c.value.replace(" ", "_") for c in predicted.breakdown)})
     ours = {c.value.replace(" ", "_"): n for c, n in predicted.breakdown.items()}
     rows += [[f"  {name}", format_bytes(measured.breakdown.get(name, 0)), format_bytes(ours.get(name, 0))] for name in names]
     how = "torch.profiler" if device == "cpu" else "torch.cuda.max_memory_allocated"
     table = tabulate(rows, headers=["", f"Measured ({how}, {step}, B={measured.batch})", "Predicted (fxmem)"], disable_numparse=True)
-    error = 100 * (predicted.bytes - measured.bytes) / measured.bytes if measured.bytes else 0.0
+    error = 100 * (peak - measured.bytes) / measured.bytes if measured.bytes else 0.0
     return (
-        f"{table}\n\nPeak at B={measured.batch}: measured {measured.bytes} B, predicted {predicted.bytes} B ({error:+.2f}%); "
+        f"{table}\n\nPeak at B={measured.batch}: measured {measured.bytes} B, predicted {peak} B ({error:+.2f}%); "
         f"predicted at {predicted.node}. Categories are each side's own: the profiler calls some "
         "of the step's buffers autograd_detail or unknown.\n"
     )

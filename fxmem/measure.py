@@ -200,6 +200,8 @@ def measure_peak(
     seed: int = 0,
     seq_len: int | None = None,
     device: str = "cpu",
+    amp: str | None = None,
+    optimizer_impl: str | None = None,
 ) -> PeakMeasurement:
     """Run one real training step at ``batch`` and measure its peak.
 
@@ -207,7 +209,9 @@ def measure_peak(
     ``zero_grad(set_to_none=True)``. A steady step (``first_step=False``) is preceded by one
     optimizer step outside the measurement, which creates the optimizer state. On the CPU the peak
     comes from torch.profiler (Note [Reading the peak from the profiler]); with ``device="cuda"`` from
-    ``torch.cuda.max_memory_allocated``, read per phase.
+    ``torch.cuda.max_memory_allocated``, read per phase. ``amp`` ("bf16"/"fp16") runs the forward and
+    the loss under ``torch.autocast`` on ``device``; ``optimizer_impl`` picks the optimizer's
+    implementation ("foreach", "fused", "for-loop"; None: torch's default).
     """
     check_batch(batch)
     specs, loss_fn, rule = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
@@ -220,16 +224,17 @@ def measure_peak(
     with _real_run(model, batch), torch.no_grad():  # the target's shape comes from the output; the data loader made it beforehand
         target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
     with _real_run(model, batch):
-        opt = _optimizer(real, rule, first_step)
+        opt = _optimizer(real, rule, first_step, optimizer_impl)
     held = [*real.parameters(), *real.buffers(), *tensors, *([target] if target is not None else [])]
     held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.device == tensors[0].device]
+    autocast = _autocast(torch.device(device).type, amp)
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
     if torch.device(device).type == "cuda":
         with _real_run(model, batch, "CUDA"):
-            top, phase = _cuda_peak(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around))
+            top, phase = _cuda_peak(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around, autocast))
         return PeakMeasurement(batch, first_step, top, phase, baseline, {})
     with _real_run(model, batch), _quiet_stderr(), _profiled() as prof:
-        _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range)
+        _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
     top, at, phase = _highest(prof)
     return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at))
 
@@ -259,9 +264,17 @@ def _cuda_peak(step: Callable[[Around], None]) -> tuple[int, Phase]:
     return peaks[phase], phase
 
 
-def _optimizer(model: nn.Module, rule: OptimizerRule, first_step: bool) -> torch.optim.Optimizer:
+def _autocast(device_type: str, amp: str | None) -> Callable[[], contextlib.AbstractContextManager[object]]:
+    """The context the real forward and loss run in: autocast in ``amp``'s dtype, or nothing."""
+    if amp is None:
+        return contextlib.nullcontext
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    return lambda: torch.autocast(device_type, dtype=dtype)
+
+
+def _optimizer(model: nn.Module, rule: OptimizerRule, first_step: bool, impl: str | None = None) -> torch.optim.Optimizer:
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = rule.make(trainable if trainable else [nn.Parameter(torch.zeros(()))])  # a frozen model: an optimizer with nothing to do
+    opt = rule.make(trainable if trainable else [nn.Parameter(torch.zeros(()))], impl)  # a frozen model: an optimizer with nothing to do
     if not first_step:
         for p in model.parameters():
             if p.requires_grad:
@@ -294,12 +307,15 @@ def _profiled() -> torch.profiler.profile:
 def _real_step(
     model: nn.Module, args: list[torch.Tensor], kwargs: dict[str, torch.Tensor], loss: Loss, target: torch.Tensor | None,
     opt: torch.optim.Optimizer, name: str, around: Around,
+    autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> None:
-    """The step users write, each phase wrapped by ``around``; ``out`` and the loss live until its end."""
-    with around(Phase.FORWARD):
-        out = model(*args, **kwargs)
-    with around(Phase.LOSS):
-        value = loss.compute(loss.select(out, name), target)
+    """The step users write, each phase wrapped by ``around``; ``out`` and the loss live until its end.
+    The forward and the loss run inside ``autocast()``, as under ``torch.autocast``."""
+    with autocast():
+        with around(Phase.FORWARD):
+            out = model(*args, **kwargs)
+        with around(Phase.LOSS):
+            value = loss.compute(loss.select(out, name), target)
     with around(Phase.BACKWARD):
         value.backward()
     with around(Phase.OPTIMIZER):

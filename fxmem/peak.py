@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fxmem.device import DeviceModel, replay_step
 from fxmem.errors import CaptureError
-from fxmem.results import Category, EnvelopePiece, Peak, Phase, Timeline
+from fxmem.results import Category, DevicePeak, EnvelopePiece, Peak, Phase, Timeline
 from fxmem.symbolic import ByteExpr
 from fxmem.timeline import steady_step
 
@@ -116,7 +117,10 @@ class StepPeaks:
     make_symbolic: Callable[[], tuple[Timeline | None, str]] | None = field(default=None, repr=False)
     """Returns the symbolic timeline, or None and why not (then concrete timelines serve every B)."""
     make_batch_one: Callable[[], Timeline] | None = field(default=None, repr=False)
+    device: DeviceModel | None = None
+    """For a cuda target: how the GPU holds the step (allocator, fixed costs, per-GPU state)."""
     _points: dict[tuple[int | None, bool], Points] = field(default_factory=dict, repr=False)
+    _device: dict[tuple[int, bool], DevicePeak] = field(default_factory=dict, repr=False)
 
     def timeline(self, batch: int, *, first_step: bool = False) -> Timeline:
         first = self._first(batch)
@@ -162,7 +166,23 @@ class StepPeaks:
         return self._points[key]
 
     def bytes(self, batch: int, *, first_step: bool = False) -> int:
+        """The peak of the step's storages at ``batch`` (the tensors alone, unrounded)."""
         return self._points_for(batch, first_step).highest(batch, self.seq)[0]
+
+    def device_peak(self, batch: int, *, first_step: bool = False) -> DevicePeak | None:
+        """The step through the target GPU's allocator at ``batch``; None for a cpu target."""
+        if self.device is None:
+            return None
+        key = (batch, first_step)
+        if key not in self._device:
+            self._device[key] = replay_step(self.timeline(batch, first_step=first_step), batch, self.seq, self.device)
+        return self._device[key]
+
+    def device_bytes(self, batch: int) -> int:
+        """What the device must hold for a steady step at ``batch``: nvidia-smi's total on a GPU, the
+        tensors' peak on the CPU."""
+        device = self.device_peak(batch)
+        return device.total if device is not None else self.bytes(batch)
 
     def peak(self, batch: int, *, first_step: bool = False) -> Peak:
         pts = self._points_for(batch, first_step)
@@ -170,10 +190,11 @@ class StepPeaks:
         index = pts.event[where]
         timeline = pts.timeline
         breakdown = _breakdown(timeline, index, batch, self.seq)
+        device = self.device_peak(batch, first_step=first_step)
         if index < 0:
-            return Peak(batch, top, first_step, _NO_PHASE, "", "", "", breakdown)
+            return Peak(batch, top, first_step, _NO_PHASE, "", "", "", breakdown, device=device)
         e = timeline.events[index]
-        return Peak(batch, top, first_step, e.phase, e.node, e.fqn, e.op, breakdown, index)
+        return Peak(batch, top, first_step, e.phase, e.node, e.fqn, e.op, breakdown, index, device)
 
     def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
         """The peak's pieces for B >= 2 where the symbolic timeline is linear in B; else ()."""

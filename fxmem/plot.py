@@ -72,7 +72,8 @@ def plot_batches(report: Report, path: str | Path, *, top: int = 10) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.2, 1]})
     left.stackplot(sizes, state, acts, inputs, labels=["model state", "saved activations", "input batch"], colors=["#4c72b0", "#55a868", "#937860"], alpha=0.6)
     if report.steps is not None:
-        left.plot(sizes, [report.step_bytes(b) / scale for b in sizes], "k-", lw=2, label="peak of the step")
+        label = "GPU total of the step (nvidia-smi)" if report.steps.device is not None else "peak of the step"
+        left.plot(sizes, [report.step_bytes(b) / scale for b in sizes], "k-", lw=2, label=label)
     if budget is not None:
         left.axhline(budget / scale, color="#c44e52", ls="--", label=f"device {format_bytes(budget)}")
         fits = report.max_batch(budget)
@@ -83,9 +84,21 @@ def plot_batches(report: Report, path: str | Path, *, top: int = 10) -> Path:
     left.set_ylabel(unit)
     left.set_title(f"{report.model}: memory against batch size")
     left.legend(loc="upper left", fontsize=8)
+    if report.steps is not None:
+        _throughput(left, report, sizes)
     _layer_bars(right, report, top)
     fig.tight_layout()
     return _save(fig, plt, path)
+
+
+def _throughput(ax: Any, report: Report, sizes: list[int]) -> None:
+    """Samples per second against B on a second axis: the roofline bound of ``Report.step_time``."""
+    twin = ax.twinx()
+    rates = [report.step_time(b).samples_per_second(b) for b in sizes]
+    twin.plot(sizes, rates, color="#8172b3", marker="o", ms=3, lw=1.5, label="samples/s (roofline upper bound)")
+    twin.set_ylabel(f"samples/s on {report._gpu().label} (upper bound)")
+    twin.set_ylim(bottom=0)
+    twin.legend(loc="lower right", fontsize=8)
 
 
 def _layer_bars(ax: Any, report: Report, top: int) -> None:

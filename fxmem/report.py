@@ -15,8 +15,9 @@ from typing import Any
 from tabulate import tabulate
 
 from fxmem.inputs import dtype_name, format_dims
-from fxmem.results import LayerRow, NodeRecord, Peak, Report, Timeline
+from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Report, Timeline
 from fxmem.symbolic import ByteExpr
+from fxmem.tradeoff import flop_exprs, memory_bound_nodes, node_costs
 
 __all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "render_timeline", "to_dict"]
 
@@ -27,6 +28,12 @@ NOT_INCLUDED = (
     "training step (forward, loss, backward, optimizer step), temporaries included, as the CPU allocator "
     "sees it; not included: allocator rounding and caching, and memory outside tensors (CUDA context, "
     "library workspaces)."
+)
+ON_GPU = (
+    "Total = model state + saved activations + the input batch. Peak = the highest point of a whole "
+    "training step (forward, loss, backward, optimizer step), temporaries included, in exact tensor bytes; "
+    "the GPU lines replay it through the CUDA caching allocator (max_memory_allocated, reserved) and add "
+    "the fixed costs outside tensors; the device verdict uses that nvidia-smi total."
 )
 NO_PEAK = "The step was not simulated (peak=False): the batch that fits is judged on the total, without temporaries."
 
@@ -140,7 +147,8 @@ def _title(report: Report) -> str:
     inputs = ", ".join(str(s) for s in report.inputs)
     how = "one symbolic pass + B=1" if report.accounting.method == "symbolic" else "concrete passes"
     graph = "torch.fx" if report.frontend == "fx" else "torch.export"
-    return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how})"
+    target = f"\ntarget: {report.setup.describe()}" if report.setup is not None else ""
+    return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how}){target}"
 
 
 def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
@@ -161,12 +169,15 @@ def _summary(report: Report) -> str:
         [f"Total at {at}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
         *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
         *_peak_lines(report, b, at),
-        ["Floor at B=1", format_bytes(report.step_bytes(1)), ("peak" if report.steps is not None else "total") + " with one sample"],
+        ["Floor at B=1", format_bytes(report.step_bytes(1)), f"{_basis(report)} with one sample"],
         ["State : activations", _ratio(s.total, report.total_bytes(b) - s.total), _reading(s.total, report.total_bytes(b) - s.total)],
     ]
+    lines += _gpu_lines(report, b, at)
     if report.device_memory is not None:
         lines.append(_device_line(report))
-    notes = [NOT_INCLUDED if report.steps is not None else NOT_INCLUDED + " " + NO_PEAK]
+    lines += _compute_lines(report, b, at)
+    gpu = report.steps is not None and report.steps.device is not None
+    notes = [ON_GPU if gpu else NOT_INCLUDED if report.steps is not None else NOT_INCLUDED + " " + NO_PEAK]
     if report.steps is not None and report.steps.note:
         notes.append(f"Peak: {report.steps.note}.")
     if report.accounting.batch_one_error:
@@ -183,7 +194,67 @@ def _summary(report: Report) -> str:
     if report.activations.higher:
         notes.append(f"Activations grow faster than linearly in B: {report.activations.polynomial()} bytes.")
     notes += [f"Unsupported: node {u.node} ({u.fqn}): {u.reason}; counted as 0 B." for u in report.accounting.unsupported]
-    return tabulate(lines, tablefmt="plain", disable_numparse=True) + "\n\n" + "\n".join(notes)
+    caveat = report.batchnorm_caveat()
+    notes += [caveat] if caveat else []
+    text = tabulate(lines, tablefmt="plain", disable_numparse=True) + "\n\n" + "\n".join(notes)
+    return text + _tradeoff_section(report)
+
+
+def format_flops(n: float) -> str:
+    """Decimal units, three significant digits: 1.5e12 -> '1.50 TFLOP'."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def format_seconds(t: float) -> str:
+    """Three significant digits in s, ms or µs."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t / 1e-6:.3g} µs"
+
+
+def _compute_lines(report: Report, b: int, at: str) -> list[list[str]]:
+    """FLOPs and the roofline bound on step time at the report's batch (needs the simulated step)."""
+    if report.steps is None:
+        return []
+    f, t = report.flops(b), report.step_time(b)
+    missing = f"; {len(f.missing)} kinds of op have no FLOP formula and count for bytes only" if f.missing else ""
+    gpu = report._gpu()
+    bound = memory_bound_nodes(report.timeline(b), b, gpu, report.seq_len, top=3)
+    slow = ", ".join(n.fqn or n.node for n in bound)
+    share = sum(p.seconds for p in t.phases if p.phase == Phase.OPTIMIZER)
+    return [
+        [f"FLOPs at {at}", format_flops(f.total), f"forward {format_flops(f.forward)}, backward {format_flops(f.backward)}, optimizer {format_flops(f.optimizer)} (torch.utils.flop_counter){missing}"],
+        [
+            f"Step time at {at}", f">= {format_seconds(t.seconds)}",
+            f"roofline lower bound on {gpu.label}, not a benchmark: <= {t.samples_per_second(b):,.0f} samples/s, "
+            f"{t.peak_share:.0%} of {'tf32' if t.tf32 else _dtype_label(t.dtype)} peak; optimizer step {format_seconds(share)}"
+            + (f"; most memory-bound: {slow}" if slow else ""),
+        ],
+    ]  # fmt: skip
+
+
+def _dtype_label(dtype: Any) -> str:
+    return dtype_name(dtype) if dtype is not None else "no"
+
+
+def _tradeoff_section(report: Report) -> str:
+    """Memory and estimated throughput from B=1 to the largest batch that fits, on a GPU target."""
+    if report.steps is None or report.steps.device is None or report.device_memory is None:
+        return ""
+    rows = [
+        [
+            r.batch, format_bytes(r.state), format_bytes(r.activations), format_bytes(r.peak), format_bytes(r.device),
+            format_seconds(r.seconds), f"{r.samples_per_second:,.0f}", f"{r.peak_share:.0%}",
+        ]
+        for r in report.tradeoff()
+    ]  # fmt: skip
+    headers = ["B", "State", "Activations", "Peak", "GPU total", "Step time >=", "Samples/s <=", "Of peak FLOP/s"]
+    table = tabulate(rows, headers=headers, disable_numparse=True)
+    return f"\n\nBatch size trade-off on {report._gpu().label} (step time is a roofline lower bound, not a benchmark):\n\n{table}"
 
 
 def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
@@ -198,11 +269,42 @@ def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
     return lines
 
 
+def _basis(report: Report) -> str:
+    if report.steps is None:
+        return "total"
+    return "nvidia-smi total" if report.steps.device is not None else "peak"
+
+
+def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
+    """The steady step on the target GPU: allocator counters, then the fixed costs and per-GPU extras."""
+    if report.steps is None or report.steps.device is None:
+        return _per_gpu_lines(report)
+    d = report.peak(b).device
+    assert d is not None
+    lines = [
+        [f"GPU at {at}", format_bytes(d.total), f"nvidia-smi total; max_memory_allocated {format_bytes(d.allocated)}, reserved {format_bytes(d.reserved)}"],
+    ]
+    lines += [[f"+ {name}", format_bytes(n), why] for name, n, why in d.overheads if n]
+    return _per_gpu_lines(report) + lines
+
+
+def _per_gpu_lines(report: Report) -> list[list[str]]:
+    """One GPU's share of the state, where a recipe or sharding makes it differ from one copy of everything."""
+    setup, share = report.setup, report.per_gpu
+    if setup is None or share is None or (setup.world_size == 1 and setup.shard == "none"):
+        return []
+    head = [f"State per GPU ({setup.world_size} x {setup.shard})", format_bytes(share.total), "of the model state above, on each GPU"]
+    return [head, *([f"· {name}", format_bytes(line.nbytes), line.why] for name, line in share.lines() if line.nbytes)]
+
+
 def _state_parts(report: Report) -> str:
     s = report.state
     return (
         f"{format_count(s.parameters)} params: weights {format_bytes(s.weights)}, buffers {format_bytes(s.buffers)}, "
-        f"gradients {format_bytes(s.gradients)}, optimizer {format_bytes(s.optimizer)}"
+        f"gradients {format_bytes(s.gradients)}, "
+        + (f"fp32 master {format_bytes(s.master)}, " if s.master else "")
+        + f"optimizer {format_bytes(s.optimizer)}"
+        + (f" ({s.precision})" if s.precision else "")
     )
 
 
@@ -276,8 +378,12 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
         "floor": report.total_bytes(1),
         "device_memory": report.device_memory,
         "max_batch": report.max_batch(report.device_memory) if report.device_memory is not None else None,
-        "max_batch_basis": "peak" if report.steps is not None else "total",
+        "max_batch_basis": _basis(report),
+        "target": _setup_dict(report),
+        "per_gpu_state": {name: line.nbytes for name, line in report.per_gpu.lines()} if report.per_gpu is not None else None,
         "peak": _peak_dict(report) if report.steps is not None else None,
+        **(_compute_dict(report) if report.steps is not None else {"flops": None, "roofline": None, "tradeoff": None}),
+        "batchnorm": {"layers": list(report.bn_layers), "threshold": report.bn_threshold, "caveat": report.batchnorm_caveat() or None},
         "unsupported": [{"node": u.node, "layer": u.fqn, "reason": u.reason} for u in report.accounting.unsupported],
     }
     return out
@@ -292,12 +398,58 @@ def _peak_dict(report: Report) -> dict[str, Any]:
             "batch": p.batch, "bytes": p.bytes, "phase": p.phase.value, "node": p.node, "layer": p.fqn, "op": p.op,
             "breakdown": {c.value: n for c, n in p.breakdown.items()},
             "split": {"state": p.state, "activations": p.saved, "temporaries": p.temporaries, "inputs": p.inputs},
+            "device": _device_dict(p.device),
             "envelope": [
                 {"from_batch": e.first_batch, "to_batch": e.last_batch, "per_sample": e.per_sample, "constant": e.fixed, "phase": e.phase.value, "node": e.node}
                 for e in report.envelope(first_step=first)
             ],
         }  # fmt: skip
     return out
+
+
+def _compute_dict(report: Report) -> dict[str, Any]:
+    """``flops`` (per phase, {per_sample, constant} and the figure at the report's batch), ``roofline``
+    (the lower bound at the report's batch) and ``tradeoff`` (one row per batch size)."""
+    b = report.batch
+    symbolic = report.steps._symbolic()
+    exprs = flop_exprs(symbolic) if symbolic is not None else None
+    f, t = report.flops(b), report.step_time(b)
+    flops: dict[str, Any] = {}
+    for phase, at_b in (("forward", f.forward), ("backward", f.backward), ("optimizer", f.optimizer)):
+        flops[phase] = {**(_expr_dict(exprs[phase]) if exprs is not None else {}), "at_batch": at_b}
+    flops["without_formula"] = dict(f.missing)
+    bound = memory_bound_nodes(report.timeline(b), b, report._gpu(), report.seq_len)
+    roofline = {
+        "gpu": report._gpu().name, "batch": b, "seconds": t.seconds, "samples_per_second": t.samples_per_second(b),
+        "peak_share": t.peak_share, "dtype": _dtype_label(t.dtype), "is_lower_bound": True,
+        "phases": {p.phase.value: {"seconds": p.seconds, "flops": p.flops, "bytes": p.moved_bytes} for p in t.phases},
+        "memory_bound_nodes": [n.node for n in bound],
+        "nodes": [
+            {"node": n.node, "layer": n.fqn, "flops": n.flops, "bytes_moved": n.moved_bytes, "intensity": n.intensity if n.moved_bytes else None, "seconds": n.seconds, "bound": n.bound.value}
+            for n in node_costs(report.timeline(b), b, report._gpu(), report.seq_len)
+        ],
+    }  # fmt: skip
+    tradeoff = [r.__dict__ for r in report.tradeoff()] if report.device_memory is not None else None
+    return {"flops": flops, "roofline": roofline, "tradeoff": tradeoff}
+
+
+def _setup_dict(report: Report) -> dict[str, Any] | None:
+    t = report.setup
+    if t is None:
+        return None
+    return {
+        "target": t.target, "gpu": t.gpu if t.cuda else None, "amp": t.amp, "precision": t.recipe,
+        "world_size": t.world_size, "shard": t.shard, "optimizer_impl": t.optimizer_impl,
+    }  # fmt: skip
+
+
+def _device_dict(d: DevicePeak | None) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    return {
+        "gpu": d.gpu, "max_memory_allocated": d.allocated, "max_memory_reserved": d.reserved, "nvidia_smi_total": d.total,
+        "capacity": d.capacity, "overheads": {name: n for name, n, _ in d.overheads}, "per_gpu_extra": {name: n for name, n, _ in d.extra},
+    }  # fmt: skip
 
 
 def _input_expr(spec: Any) -> ByteExpr:
@@ -344,6 +496,12 @@ def render_timeline(timeline: Timeline, peak: Peak, batch: int, seq: int | None,
     table = tabulate(rows, headers=["Phase", "At start", "Highest", "Where (node, op)", "At end"], disable_numparse=True)
     split = ", ".join(f"{c.value} {format_bytes(n)}" for c, n in peak.breakdown.items())
     lines = [head, table, f"Peak {format_bytes(peak.bytes)} ({peak.bytes} B) in {peak.phase} at {peak.node} ({peak.op}). Alive there: {split}."]
+    if peak.device is not None:
+        d = peak.device
+        lines.append(
+            f"On the GPU ({d.gpu}), with the caching allocator and the fixed costs: max_memory_allocated {format_bytes(d.allocated)}, "
+            f"reserved {format_bytes(d.reserved)}, nvidia-smi {format_bytes(d.total)}."
+        )
     alive = _alive_at_peak(timeline, peak, batch, seq)
     if alive:
         body = [[e.category.value, e.node, e.op, format_bytes(n)] for e, n in alive[:top]]

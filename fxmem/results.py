@@ -21,6 +21,7 @@ __all__ = [
     "Accounting",
     "Capture",
     "Category",
+    "DevicePeak",
     "EnvelopePiece",
     "Kind",
     "LayerRow",
@@ -28,6 +29,7 @@ __all__ = [
     "ModelSpec",
     "NodeInfo",
     "NodeRecord",
+    "OpCostRecord",
     "Peak",
     "Phase",
     "Report",
@@ -104,6 +106,27 @@ class MemoryEvent:
 
 
 @dataclass(frozen=True)
+class OpCostRecord:
+    """What one op of the step computes and moves (fxmem/flops.py), as polynomials in B (and S).
+
+    ``flops`` follows torch.utils.flop_counter's formulas; ``has_formula`` is False for ops it has none
+    for (elementwise ops, norms), whose FLOPs are then 0 and which reports list by name. ``read`` and
+    ``written`` are the bytes of the op's distinct inputs and outputs (an unfused kernel's traffic).
+    """
+
+    phase: Phase
+    node: str
+    fqn: str
+    op: str
+    dtype: str
+    """The dtype of the op's first floating input: which peak rate its FLOPs run at."""
+    flops: ByteExpr
+    read: ByteExpr
+    written: ByteExpr
+    has_formula: bool
+
+
+@dataclass(frozen=True)
 class Timeline:
     """Every allocation and release of one training step, in order, on top of what lives before it.
 
@@ -116,6 +139,10 @@ class Timeline:
     first_step: bool
     baseline: Mapping[Category, ByteExpr]
     events: tuple[MemoryEvent, ...]
+    baseline_storages: tuple[tuple[Category, ByteExpr], ...] = ()
+    """The baseline storage by storage, in the order they were made (an allocator replays them first)."""
+    costs: tuple[OpCostRecord, ...] = ()
+    """Every op's FLOPs and bytes moved, in order (views and metadata queries left out)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +159,25 @@ class EnvelopePiece:
 
 
 @dataclass(frozen=True)
+class DevicePeak:
+    """What a GPU shows for one step at one batch size (fxmem/device.py), in torch's and nvidia-smi's terms."""
+
+    gpu: str
+    allocated: int
+    """``torch.cuda.max_memory_allocated()``: the peak of the caching allocator's blocks (rounded)."""
+    reserved: int
+    """``torch.cuda.max_memory_reserved()``: the peak of its segments."""
+    total: int
+    """What nvidia-smi would show: the reserved peak plus what only the driver holds (the CUDA context)."""
+    capacity: int
+    """The GPU's memory as nvidia-smi shows it."""
+    overheads: tuple[tuple[str, int, str], ...]
+    """The fixed costs as (name, bytes, why); see fxmem/overheads.py."""
+    extra: tuple[tuple[str, int, str], ...] = ()
+    """Per-GPU storages beyond the simulated step (master weights, gathered units) as (name, bytes, why)."""
+
+
+@dataclass(frozen=True)
 class Peak:
     """The highest point of one training step at one batch size, and what is alive there."""
 
@@ -145,6 +191,8 @@ class Peak:
     breakdown: Mapping[Category, int]
     event: int = -1
     """Index of the allocation at the peak in its timeline's ``events`` (-1: the baseline, before any)."""
+    device: DevicePeak | None = None
+    """For a cuda target: the same step through the GPU's allocator, with its fixed costs."""
 
     @property
     def state(self) -> int:
@@ -266,10 +314,14 @@ class StateBytes:
     gradients: int
     optimizer: int
     optimizer_name: str
+    master: int = 0
+    """An fp32 master copy of the trainable weights the optimizer updates (mixed-precision recipes)."""
+    precision: str = ""
+    """The recipe of fxmem/precision.py the bytes follow; "" when each parameter kept its own dtype."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.buffers + self.gradients + self.optimizer
+        return self.weights + self.buffers + self.gradients + self.master + self.optimizer
 
 
 @dataclass(frozen=True)
@@ -340,6 +392,14 @@ class Report:
     evaluate: Callable[[int], Mapping[str, int]] | None = field(default=None, compare=False, repr=False)
     steps: Any = field(default=None, compare=False, repr=False)
     """The simulated training step (a ``peak.StepPeaks``), or None where analyze ran with ``peak=False``."""
+    setup: Any = None
+    """The ``training.TrainingSetup`` the prediction is for (target, GPU, autocast, recipe, sharding)."""
+    per_gpu: Any = None
+    """One GPU's share of ``state`` (a ``sharding.PerGpuState``); equal to it with one GPU."""
+    bn_layers: tuple[str, ...] = ()
+    """Layers that normalize with batch statistics (BatchNorm, SyncBatchNorm), for the batch-norm caveat."""
+    bn_threshold: int = 16
+    """Per-device batches below this get the batch-norm caveat."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -402,24 +462,83 @@ class Report:
         return self.steps
 
     def step_bytes(self, batch: int) -> int:
-        """What a device must hold at ``batch``: the steady step's peak, or ``total_bytes`` without a simulated step."""
+        """What the device must hold at ``batch``: for a GPU, nvidia-smi's total for a steady step
+        (allocator blocks, segments, fixed costs); for the CPU the steady step's peak; ``total_bytes``
+        without a simulated step."""
         if self.steps is None:
             return self.total_bytes(batch)
-        return int(self.steps.bytes(batch, first_step=False))
+        return int(self.steps.device_bytes(batch))
 
     def max_batch(self, budget_bytes: int) -> int | None:
         """The largest batch whose step peak fits in ``budget_bytes``; None if B=1 does not fit or nothing grows with B."""
         return self.verdict(budget_bytes).max_batch
 
     def verdict(self, budget_bytes: int) -> Verdict:
-        basis = "total" if self.steps is None else "peak"
+        basis = "total" if self.steps is None else ("device total" if self.steps.device is not None else "peak")
         floor = self.step_bytes(1)
-        grows = self.step_bytes(2) > floor
         if floor > budget_bytes:
             return Verdict(budget_bytes, None, floor, basis=basis)
-        if not grows:
+        if not self._grows():
             return Verdict(budget_bytes, None, floor, unbounded=True, basis=basis)
-        return Verdict(budget_bytes, _largest_fitting(self.step_bytes, budget_bytes), floor, basis=basis)
+        return Verdict(budget_bytes, _largest_fitting(self.step_bytes, budget_bytes, self._upper_batch(budget_bytes)), floor, basis=basis)
+
+    def _grows(self) -> bool:
+        """Whether memory grows with B, judged on the tensors (a GPU's segments hide small growth)."""
+        if self.steps is None:
+            return self.total_bytes(2) > self.total_bytes(1)
+        return bool(self.steps.bytes(2) > self.steps.bytes(1))
+
+    def _upper_batch(self, budget_bytes: int) -> int | None:
+        """On a GPU, the largest batch whose tensors alone fit: the device total (tensors plus rounding,
+        caching and fixed costs) can only fit fewer, so the search for it starts below this bound."""
+        if self.steps is None or self.steps.device is None:
+            return None
+        return _largest_fitting(lambda b: int(self.steps.bytes(b)), budget_bytes)
+
+    def flops(self, batch: int | None = None) -> Any:
+        """The step's FLOPs at ``batch`` (default: the report's) by phase: a ``tradeoff.FlopCount``
+        with ``forward`` (model and loss), ``backward``, ``optimizer`` and the ops without a formula."""
+        from fxmem.tradeoff import flop_count
+
+        batch = self.batch if batch is None else batch
+        return flop_count(self.timeline(batch), batch, self.seq_len)
+
+    def step_time(self, batch: int | None = None) -> Any:
+        """A roofline lower bound on the step's time at ``batch`` on the setup's GPU (a ``roofline.StepTime``);
+        not a benchmark."""
+        from fxmem.tradeoff import step_estimate
+
+        batch = self.batch if batch is None else batch
+        return step_estimate(self.timeline(batch), batch, self._gpu(), self.seq_len)
+
+    def tradeoff(self, batches: Sequence[int] | None = None) -> tuple[Any, ...]:
+        """Memory and estimated throughput per batch size (``tradeoff.TradeoffRow``): by default powers
+        of two up to the largest batch that fits the device, and that batch."""
+        from fxmem.tradeoff import TradeoffRow, batches_to_try
+
+        if batches is None:
+            largest = self.max_batch(self.device_memory) if self.device_memory is not None else None
+            batches = batches_to_try(largest, self.batch)
+        rows = []
+        for b in batches:
+            t = self.step_time(b)
+            rows.append(TradeoffRow(b, self.state.total, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share))
+        return tuple(rows)
+
+    def batchnorm_caveat(self) -> str:
+        """The batch-norm caveat where batch-statistics layers meet a small per-device batch, else ""."""
+        from fxmem.tradeoff import batchnorm_caveat
+
+        judged = [("chosen batch", self.batch)]
+        largest = self.max_batch(self.device_memory) if self.device_memory is not None and self.steps is not None else None
+        if largest is not None and largest < self.batch:
+            judged.append(("largest batch that fits", largest))
+        return batchnorm_caveat(self.bn_layers, judged, self.bn_threshold)
+
+    def _gpu(self) -> Any:
+        from fxmem.gpus import get_gpu
+
+        return get_gpu(self.setup.gpu if self.setup is not None else "h100-80gb")
 
     def layers(self, depth: int | None = None) -> tuple[LayerRow, ...]:
         from fxmem.report import group_layers
@@ -437,10 +556,15 @@ class Report:
         return render(self)
 
 
-def _largest_fitting(total: Callable[[int], int], budget: int) -> int:
-    """Largest B with total(B) <= budget, for a total that grows with B (exponential then binary search)."""
+def _largest_fitting(total: Callable[[int], int], budget: int, upper: int | None = None) -> int:
+    """Largest B with total(B) <= budget, for a total that grows with B (exponential then binary
+    search); ``upper``, when known, is a batch no smaller than the answer."""
     lo, hi = 1, 2
-    while total(hi) <= budget:
+    if upper is not None:
+        if total(upper) <= budget:
+            return upper
+        hi = max(upper, 2)
+    while upper is None and total(hi) <= budget:
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2

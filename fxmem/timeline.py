@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,9 +50,10 @@ from fxmem.binding import bind_inputs, swapped_state
 from fxmem.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
 from fxmem.dispatch import OpRule, OpRuleMode
 from fxmem.errors import CaptureError, FxmemError
-from fxmem.inputs import InputSpec
+from fxmem.flops import OpCost, is_view_like, op_cost
+from fxmem.inputs import InputSpec, dtype_name
 from fxmem.losses import Loss
-from fxmem.results import Category, MemoryEvent, Phase, Timeline
+from fxmem.results import Category, MemoryEvent, OpCostRecord, Phase, Timeline
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
 
@@ -99,6 +101,8 @@ class _Tracker(TorchDispatchMode):
     raw: list[_Raw] = field(default_factory=list)
     names: dict[StorageWeakRef, str] = field(default_factory=dict)
     """Parameter name per storage of a parameter, its gradient and its state: the optimizer's attribution."""
+    costs: list[tuple[Phase, str, str, str, str, OpCost]] = field(default_factory=list)
+    """(phase, node, fqn, op, dtype, cost) of every op that computes or moves bytes."""
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -131,6 +135,9 @@ class _Tracker(TorchDispatchMode):
         for i, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
                 self._allocated(t, sizes.get(i), node, fqn, op)
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None and not is_view_like(func):
+            self.costs.append((self.phase, node, fqn, op, _compute_dtype(args), cost))
         workspace = self.workspaces.get(op)
         nbytes = workspace(args, kwargs, out) if workspace is not None else 0
         if not (isinstance(nbytes, int) and nbytes == 0):
@@ -170,6 +177,14 @@ class _Tracker(TorchDispatchMode):
                     if name is not None:
                         return name, _module_of(name)
         return self.node, self.fqn
+
+
+def _compute_dtype(args: Any) -> str:
+    """The dtype an op computes in: its first floating tensor argument's (float32 when it has none)."""
+    for a in tree_leaves(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return dtype_name(a.dtype)
+    return "float32"
 
 
 def _module_of(parameter: str) -> str:
@@ -242,8 +257,13 @@ def simulate_step(
     workspaces: Mapping[str, WorkspaceRule],
     model: str = "model",
     seq: int | None = None,
+    kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    optimizer_impl: str | None = None,
 ) -> Timeline:
     """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
+
+    The forward and the loss run inside ``kernels()`` (the target's kernels and autocast policy, see
+    ``TrainingSetup.kernels``); the optimizer is built with ``optimizer_impl`` (None: torch's default).
 
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
     """
@@ -261,12 +281,12 @@ def simulate_step(
         values = bind_inputs(gm, specs, fake.inputs, model)
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
-            opt = optimizer.make(trainable) if trainable else None  # a frozen model has no step to take
+            opt = optimizer.make(trainable, optimizer_impl) if trainable else None  # a frozen model has no step to take
             # OpRuleMode on top only decomposes composite ops as eager CPU does, so that their inner ops
             # reach the tracker below it one by one; the tracker applies the op rules itself, since it
             # must know a storage's true size when it records the allocation.
             with tracker, OpRuleMode({}, {}):
-                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model)
+                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels)
     fake.check_symbols()
     return _timeline(tracker, categories, batch, fake)
 
@@ -280,6 +300,7 @@ def _run_step(
     opt: torch.optim.Optimizer | None,
     params: Mapping[str, torch.Tensor],
     model: str,
+    kernels: Callable[[], AbstractContextManager[object]],
 ) -> dict[int, Category]:
     """Run forward, loss, backward, step and zero_grad; return the categories decided along the way."""
     categories: dict[int, Category] = {}
@@ -290,7 +311,7 @@ def _run_step(
             categories[number] = Category.ACTIVATION
         return t.detach()  # not t itself: an output saved by its own grad_fn would make a reference cycle
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), kernels():
         out = _Forward(gm, tracker, fake, model).run(*values)
         tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
         output = loss.select(out, model)
@@ -365,8 +386,9 @@ def _mark(tracker: _Tracker, categories: dict[int, Category], value: object, cat
 def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int | None, fake: FakeBatch) -> Timeline:
     convert = _Converter(fake)
     baseline: dict[Category, ByteExpr] = {}
-    for category, nbytes in tracker.permanent.values():
-        baseline[category] = baseline.get(category, ByteExpr()) + convert(nbytes)
+    storages = tuple((category, convert(nbytes)) for category, nbytes in tracker.permanent.values())
+    for category, nbytes in storages:
+        baseline[category] = baseline.get(category, ByteExpr()) + nbytes
     events = tuple(
         MemoryEvent(
             r.phase,
@@ -380,7 +402,11 @@ def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int 
         )
         for r in tracker.raw
     )
-    return Timeline(batch, True, baseline, events)
+    costs = tuple(
+        OpCostRecord(phase, node, fqn, op, dtype, convert(c.flops), convert(c.read_bytes), convert(c.written_bytes), c.has_formula)
+        for phase, node, fqn, op, dtype, c in tracker.costs
+    )
+    return Timeline(batch, True, baseline, events, storages, costs)
 
 
 @dataclass
@@ -411,8 +437,8 @@ def steady_step(first: Timeline) -> Timeline:
     """
     moved = {e.storage for e in first.events if e.alloc and e.category == Category.OPTIMIZER_STATE and e.phase == Phase.OPTIMIZER}
     baseline = dict(first.baseline)
-    for e in first.events:
-        if e.alloc and e.storage in moved:
-            baseline[Category.OPTIMIZER_STATE] = baseline.get(Category.OPTIMIZER_STATE, ByteExpr()) + e.nbytes
+    state = tuple((Category.OPTIMIZER_STATE, e.nbytes) for e in first.events if e.alloc and e.storage in moved)
+    for _, nbytes in state:
+        baseline[Category.OPTIMIZER_STATE] = baseline.get(Category.OPTIMIZER_STATE, ByteExpr()) + nbytes
     events = tuple(e for e in first.events if e.storage not in moved)
-    return replace(first, first_step=False, baseline=baseline, events=events)
+    return replace(first, first_step=False, baseline=baseline, events=events, baseline_storages=first.baseline_storages + state)

@@ -1273,7 +1273,7 @@ def check_case(case: FuzzCase) -> None:
     validate_case(case)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = fxmem.analyze(case.model, case.inputs, loss=case.loss)
+        report = fxmem.analyze(case.model, case.inputs, loss=case.loss, target="cpu")
         targets = {n.name: n.info.target for n in report.nodes}
         for b in case.batches:
             measured = fxmem.measure(case.model, case.inputs, b, loss=case.loss)

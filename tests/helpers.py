@@ -18,6 +18,7 @@ def analyze_on_meta(factory: Callable[[], nn.Module], inputs: list[str], loss: s
     """Build the model on the meta device (as the CLI does) and analyze it."""
     with torch.device("meta"):
         model = factory()
+    kw.setdefault("target", "cpu")  # the CPU is what the tests measure
     return fxmem.analyze(model, inputs, loss=loss, **kw)  # type: ignore[arg-type]
 
 

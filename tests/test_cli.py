@@ -92,7 +92,7 @@ def test_help_warns_that_loading_runs_code(capsys: pytest.CaptureFixture[str], a
 def test_analyze_reports_its_stages() -> None:
     spec = load_model(MLP)
     stages: list[str] = []
-    analyze(spec.model, spec.inputs, loss=spec.loss, progress=stages.append)
+    analyze(spec.model, spec.inputs, loss=spec.loss, progress=stages.append, target="cpu")
     assert stages == [
         "tracing the model",
         "capturing saved tensors (symbolic pass, batch B)",
@@ -131,3 +131,31 @@ def test_progress_elsewhere_only_for_slow_stages(monkeypatch: pytest.MonkeyPatch
         time.sleep(0.01)
     progress.close()
     assert stream.getvalue() == "fxmem: slow...\n"
+
+
+def test_the_training_setup_reaches_the_report(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["analyze", MLP, "--format", "json", "--gpu", "a100-80gb", "--amp", "bf16", "--precision", "mixed"]
+    argv += ["--world-size", "8", "--shard", "zero3", "--optimizer-impl", "fused", "--overhead", "cuda_context=1GiB"]
+    report = json.loads(run(capsys, *argv))
+    assert report["target"] == {
+        "target": "cuda", "gpu": "a100-80gb", "amp": "bf16", "precision": "mixed", "world_size": 8, "shard": "zero3", "optimizer_impl": "fused",
+    }  # fmt: skip
+    device = report["peak"]["steady_step"]["device"]
+    assert device["overheads"]["cuda_context"] == 2**30
+    assert device["nvidia_smi_total"] == device["max_memory_reserved"] + 2**30
+    assert report["device_memory"] == 81920 * 2**20  # the A100 80GB as nvidia-smi shows it, the default budget
+    assert report["per_gpu_state"]["master"] == -(-report["model_state"]["trainable_parameters"] * 4 // 8)
+
+
+def test_the_cpu_target_keeps_the_cpu_report(capsys: pytest.CaptureFixture[str]) -> None:
+    text = run(capsys, "analyze", MLP, "--target", "cpu")
+    assert "target: cpu, precision fp32" in text and "nvidia-smi" not in text
+
+
+def test_measure_peak_of_a_cuda_target_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert cli.main(["measure", MLP, "--peak", "--target", "cuda", "--batch", "2"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -71,7 +71,7 @@ def test_hugging_face_models_match_their_eager_run(family: str, request: pytest.
     spec_name = request.getfixturevalue(family)
     spec = fxmem.load_model(spec_name, seq_len=16)
     assert dict(spec.inputs) == {"input_ids": "B,16:int64", "labels": "B,16:int64"} and spec.loss == "auto"
-    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, name=spec_name)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, name=spec_name, target="cpu")
     assert report.frontend == "export"
     real = fxmem.load_model(spec_name, seq_len=16, meta=False).model
     for batch in (1, 2, 3):
@@ -82,7 +82,7 @@ def test_hugging_face_models_match_their_eager_run(family: str, request: pytest.
 
 def test_exported_layers_use_the_module_paths_of_print_model(gpt2: str) -> None:
     spec = fxmem.load_model(gpt2, seq_len=16)
-    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, target="cpu")
     paths = {name for name, _m in spec.model.named_modules()}
     layers = {row.fqn for row in report.layers()}
     assert "transformer.h.0.attn" in layers and "transformer.h.1.mlp.act" in layers
@@ -114,7 +114,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _assert_exact_against_eager(spec_name: str, inputs: dict[str, str], seq: int | None = None) -> None:
     """analyze on the meta model == measure on a real one: per node (same graph) and in total (eager forward)."""
     spec = fxmem.load_model(spec_name, seq_len=16)
-    report = fxmem.analyze(spec.model, inputs, loss=spec.loss, seq_len=seq)
+    report = fxmem.analyze(spec.model, inputs, loss=spec.loss, seq_len=seq, target="cpu")
     assert report.frontend == "export"
     real = fxmem.load_model(spec_name, seq_len=16, meta=False).model
     for batch in (1, 2, 3):

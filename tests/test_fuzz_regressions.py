@@ -27,7 +27,7 @@ def assert_matches(
     model: nn.Module, inputs: Sequence[str], *, loss: str = "sum", batches: Sequence[int] = (1, 2, 3, 5)
 ) -> fxmem.Report:
     """analyze's total and per-node bytes equal measure's at every batch size in ``batches``."""
-    report = fxmem.analyze(model, inputs, loss=loss)
+    report = fxmem.analyze(model, inputs, loss=loss, target="cpu")
     for b in batches:
         measured = fxmem.measure(model, inputs, b, loss=loss)
         assert {k: v for k, v in report.node_bytes(b).items() if v} == measured.nodes, f"B={b}"

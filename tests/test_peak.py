@@ -57,7 +57,7 @@ def test_a_step_of_one_linear_layer_by_hand() -> None:
     # SGD updates in place, and zero_grad releases the gradient.
     with torch.device("meta"):
         model = nn.Linear(4, 2, bias=False)
-    report = fxmem.analyze(model, ["B,4"], optimizer="sgd")
+    report = fxmem.analyze(model, ["B,4"], optimizer="sgd", target="cpu")
     t = report.timeline(8, first_step=True)
     grads = [e for e in t.events if e.category == Category.GRADIENT and e.alloc]
     assert [e.nbytes.at(8) for e in grads] == [32]
@@ -72,7 +72,7 @@ def test_adamw_state_appears_inside_the_first_step_and_is_baseline_in_a_steady_o
     # AdamW keeps exp_avg and exp_avg_sq (32 B each for the 2x4 weight) and a 4-byte step: 68 B.
     with torch.device("meta"):
         model = nn.Linear(4, 2, bias=False)
-    report = fxmem.analyze(model, ["B,4"], optimizer="adamw")
+    report = fxmem.analyze(model, ["B,4"], optimizer="adamw", target="cpu")
     first, steady = report.timeline(8, first_step=True), report.timeline(8)
     made = [e.nbytes.at(8) for e in first.events if e.alloc and e.category == Category.OPTIMIZER_STATE]
     assert sorted(made) == [4, 32, 32] and all(
@@ -86,15 +86,15 @@ def test_adamw_state_appears_inside_the_first_step_and_is_baseline_in_a_steady_o
 def test_max_batch_uses_the_peak_and_says_so() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    report = fxmem.analyze(model, ["B,64"], device_memory=10**6)
+    report = fxmem.analyze(model, ["B,64"], device_memory=10**6, target="cpu")
     verdict = report.verdict(10**6)
     assert verdict.basis == "peak"
     fits = verdict.max_batch
     assert fits is not None and report.step_bytes(fits) <= 10**6 < report.step_bytes(fits + 1)
-    assert fxmem.analyze(model, ["B,64"], peak=False).verdict(10**6).basis == "total"
+    assert fxmem.analyze(model, ["B,64"], peak=False, target="cpu").verdict(10**6).basis == "total"
 
 
 def test_a_report_without_the_step_says_how_to_get_the_peak() -> None:
-    report = fxmem.analyze(nn.Linear(4, 2), ["B,4"], peak=False)
+    report = fxmem.analyze(nn.Linear(4, 2), ["B,4"], peak=False, target="cpu")
     with pytest.raises(fxmem.FxmemError, match="peak=False"):
         report.peak(4)

@@ -34,7 +34,7 @@ expected failures: a fix makes them pass, and the test then fails until the entr
 def case(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     name, optimizer = request.param
     spec = fxmem.load_model(f"zoo:{name}:test")
-    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name, target="cpu")
     return name, optimizer, spec, report
 
 

@@ -49,6 +49,6 @@ def test_plot_api_from_a_report(tmp_path: Path) -> None:
     from fxmem.plot import plot_batches, plot_timeline
 
     spec = fxmem.load_model("zoo:wide-mlp:test")
-    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, batch=4)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, batch=4, target="cpu")
     _assert_drawn(plot_batches(report, tmp_path / "a.png"))
     _assert_drawn(plot_timeline(report.timeline(4), tmp_path / "b.png", title="wide-mlp", batch=4))

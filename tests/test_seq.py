@@ -22,7 +22,7 @@ def meta_gpt() -> torch.nn.Module:
 
 
 def test_attention_brings_a_b_s_squared_term(meta_gpt: torch.nn.Module) -> None:
-    report = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=16)
+    report = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=16, target="cpu")
     # Per layer and head, the CPU's math SDPA path (dropout on) keeps three float32 S x S tensors:
     # the softmax output, dropout's float noise and the dropped-out probabilities: 12 bytes per entry.
     s_squared = {(i, j): c for i, j, c in report.activations.seq_terms if j == 2}
@@ -32,7 +32,7 @@ def test_attention_brings_a_b_s_squared_term(meta_gpt: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize("seq", [16, 32])
 def test_exact_at_every_batch_and_sequence_length(meta_gpt: torch.nn.Module, seq: int) -> None:
-    report = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=seq)
+    report = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=seq, target="cpu")
     assert report.seq_len == seq and report.accounting.method == "symbolic"
     for batch in (1, 2, 3):
         torch.manual_seed(0)
@@ -42,8 +42,8 @@ def test_exact_at_every_batch_and_sequence_length(meta_gpt: torch.nn.Module, seq
 
 
 def test_max_batch_is_taken_at_the_given_sequence_length(meta_gpt: torch.nn.Module) -> None:
-    short = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=16)
-    long = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=64)
+    short = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=16, target="cpu")
+    long = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=64, target="cpu")
     budget = 64 * 2**20
     assert long.max_batch(budget) < short.max_batch(budget)  # type: ignore[operator]
     b = long.max_batch(budget)
@@ -52,7 +52,7 @@ def test_max_batch_is_taken_at_the_given_sequence_length(meta_gpt: torch.nn.Modu
 
 def test_a_symbolic_sequence_needs_a_length(meta_gpt: torch.nn.Module) -> None:
     with pytest.raises(fxmem.InputSpecError, match="--seq-len"):
-        fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy")
+        fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", target="cpu")
 
 
 transformers = pytest.importorskip("transformers")
@@ -67,7 +67,7 @@ def test_hugging_face_gpt2_with_a_symbolic_sequence(tmp_path: object) -> None:
     model = fxmem.load_model(spec_name).model
     real = fxmem.load_model(spec_name, meta=False).model
     for seq in (16, 32):
-        report = fxmem.analyze(model, inputs, loss="auto", seq_len=seq)
+        report = fxmem.analyze(model, inputs, loss="auto", seq_len=seq, target="cpu")
         assert report.frontend == "export" and report.activations.seq_terms
         for batch in (1, 2, 3):
             m = fxmem.measure(real, inputs, batch, loss="auto", frontend="export", seq_len=seq)

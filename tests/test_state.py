@@ -55,3 +55,85 @@ def test_tied_weights_count_once_and_param_dtype_overrides() -> None:
 def test_unknown_optimizer_lists_the_choices() -> None:
     with pytest.raises(InputSpecError, match="adamw"):
         get_optimizer("adamx")
+
+
+# The model above: 240 trainable floats in 5 tensors (the frozen bias adds 4 weights), buffers 32*4 + 8.
+@pytest.mark.parametrize(
+    ("recipe", "weights", "gradients", "master", "moments"),
+    [
+        ("fp32", 244 * 4, 240 * 4, 0, 2 * 240 * 4),
+        ("amp", 244 * 4, 240 * 4, 0, 2 * 240 * 4),  # autocast's bf16 weight copies are activations, not state
+        ("bf16", 244 * 2, 240 * 2, 0, 2 * 240 * 2),
+        ("mixed", 244 * 2, 240 * 2, 240 * 4, 2 * 240 * 4),
+        ("mixed-fp32-grads", 244 * 2, 240 * 4, 240 * 4, 2 * 240 * 4),
+    ],
+)
+def test_precision_recipes_by_hand(recipe: str, weights: int, gradients: int, master: int, moments: int) -> None:
+    s = state_bytes(_model(), optimizer=get_optimizer("adamw"), precision=recipe)
+    assert (s.weights, s.gradients, s.master) == (weights, gradients, master)
+    assert s.optimizer == moments + 5 * 4  # the CPU holds a 4-byte step per trainable tensor
+    assert s.buffers == 32 * 4 + 8  # buffers keep their dtype under every recipe
+    assert s.total == s.weights + s.buffers + s.gradients + s.master + s.optimizer
+    assert s.precision == recipe
+
+
+def test_bf16_recipe_matches_a_real_bf16_step() -> None:
+    model = _model().to(torch.bfloat16)
+    predicted = state_bytes(model, optimizer=get_optimizer("adamw"), precision="bf16")
+    opt = get_optimizer("adamw").make([p for p in model.parameters() if p.requires_grad])
+    model(torch.randn(4, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    measured_state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values())
+    assert predicted.optimizer == measured_state
+    assert predicted.gradients == sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    assert predicted.weights == sum(p.untyped_storage().nbytes() for p in model.parameters())
+    assert predicted.weights_by_dtype == {"bfloat16": 244 * 2}
+
+
+def test_mixed_adam_is_16_bytes_per_parameter_on_a_gpu() -> None:
+    # ZeRO paper, section 3.1: 2 (fp16 weights) + 2 (grads) + K = 12 (fp32 master, momentum, variance);
+    # on CUDA Adam's default foreach step counters live on the host, so they add nothing.
+    s = state_bytes(nn.Linear(1000, 1000), optimizer=get_optimizer("adam"), precision="mixed", target="cuda")
+    assert s.total == 16 * 1_001_000
+
+
+def test_step_counters_follow_the_implementation_on_a_gpu() -> None:
+    adam = get_optimizer("adam")
+    fused = state_bytes(_model(), optimizer=adam, optimizer_impl="fused", target="cuda")
+    foreach = state_bytes(_model(), optimizer=adam, optimizer_impl="foreach", target="cuda")
+    assert fused.optimizer - foreach.optimizer == 5 * 4  # fused: a float32 step on the GPU per trainable tensor
+    with pytest.raises(InputSpecError, match="'rmsprop' has no fused"):
+        state_bytes(_model(), optimizer=get_optimizer("rmsprop"), optimizer_impl="fused")
+
+
+def test_new_optimizers_count_their_own_state() -> None:
+    # Lion: one exp_avg per trainable float, no step; Adafactor on 1-D and 2-D params (see test_optimizers.py)
+    assert state_bytes(_model(), optimizer=get_optimizer("lion")).optimizer == 240 * 4
+    # Adafactor: weights (16, 8) -> 16 + 8, (4, 16) -> 4 + 16 floats; vectors 16 + 16 + 16 (bias, bn weight,
+    # bn bias) whole; plus a 4-byte step per trainable tensor (5)
+    assert state_bytes(_model(), optimizer=get_optimizer("adafactor")).optimizer == (24 + 20 + 48) * 4 + 5 * 4
+
+
+def test_precision_and_param_dtype_must_agree() -> None:
+    agreed = state_bytes(_model(), optimizer=get_optimizer("sgd"), precision="bf16", param_dtype=torch.bfloat16)
+    assert agreed.weights == 244 * 2
+    with pytest.raises(InputSpecError, match="param_dtype bfloat16 contradicts precision 'fp32'"):
+        state_bytes(_model(), optimizer=get_optimizer("sgd"), precision="fp32", param_dtype=torch.bfloat16)
+
+
+def test_bad_precision_and_target_are_input_errors() -> None:
+    with pytest.raises(InputSpecError, match="fp32, amp, bf16, mixed, mixed-fp32-grads"):
+        state_bytes(_model(), optimizer=get_optimizer("sgd"), precision="fp8")
+    with pytest.raises(InputSpecError, match="unknown target 'tpu'"):
+        state_bytes(_model(), optimizer=get_optimizer("sgd"), target="tpu")
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import fxmem.precision
+    import fxmem.state
+
+    for module in (fxmem.precision, fxmem.state):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0

@@ -35,7 +35,7 @@ def test_torchvision_spec_builds_on_meta_with_its_weights_input_size(fake_torchv
     spec = fxmem.load_model("torchvision:tiny")
     assert all(p.is_meta for p in spec.model.parameters())
     assert list(spec.inputs) == ["B,3,96,96"] and spec.loss == "cross_entropy"
-    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, target="cpu")
     # ReLU keeps its output: 4 channels x 47 x 47 floats per sample ((96 - 3) // 2 + 1 = 47).
     assert report.node_bytes(2)["_1"] == 2 * 4 * 47 * 47 * 4
 
@@ -69,7 +69,7 @@ def test_real_torchvision_resnet50_where_installed() -> None:
         pytest.skip("torchvision does not import beside this torch")
     spec = fxmem.load_model("torchvision:resnet50")
     assert list(spec.inputs) == ["B,3,224,224"]
-    assert fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, peak=False).activations.per_sample > 0
+    assert fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, peak=False, target="cpu").activations.per_sample > 0
 
 
 def test_real_timm_vit_where_installed() -> None:
@@ -80,4 +80,4 @@ def test_real_timm_vit_where_installed() -> None:
     spec = fxmem.load_model("timm:vit_base_patch16_224")
     assert list(spec.inputs) == ["B,3,224,224"]
     with torch.device("meta"):
-        assert fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, peak=False).activations.per_sample > 0
+        assert fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, peak=False, target="cpu").activations.per_sample > 0

@@ -130,7 +130,7 @@ def test_lstm_backward_workspace_matches_the_profiler(seq: int, batch: int, inp:
 @pytest.mark.parametrize(("name", "optimizer"), [("resnet50", "sgd"), ("unet3d", "adamw"), ("lstm-lm", "sgd-momentum")])
 def test_zoo_peak_with_workspaces_is_within_one_percent(name: str, optimizer: str) -> None:
     spec = fxmem.load_model(f"zoo:{name}:test")
-    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name, target="cpu")
     real = fxmem.load_model(f"zoo:{name}:test", meta=False).model
     measured = measure_peak(real, spec.inputs, 4, loss=spec.loss, optimizer=optimizer, first_step=False)
     predicted = report.peak(4, first_step=False)

@@ -15,7 +15,7 @@ BATCHES = (1, 2, 5)
 def zoo_case(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     name = request.param
     spec = fxmem.load_model(f"zoo:{name}:test")  # on the meta device, as the CLI builds it
-    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, name=name)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, name=name, target="cpu")
     return name, spec, report
 
 

@@ -1,0 +1,125 @@
+"""Stage 8 (cuda target): what the GPU shows for the simulated step, per GPU.
+
+The timeline (stage 6) lists every storage the step makes, at its exact size. A GPU shows more:
+
+- every block goes through PyTorch's CUDA caching allocator, which rounds it and caches segments
+  (``fxmem/allocator.py``): ``torch.cuda.max_memory_allocated()`` is the replayed peak of blocks,
+  ``max_memory_reserved()`` that of segments;
+- fixed costs outside the model (``fxmem/overheads.py``): cuBLAS workspaces go through the allocator
+  and are replayed as blocks the step starts with; the CUDA context is only in nvidia-smi's figure;
+- the optimizer's ``step`` counters live on the host unless the optimizer is fused (Note [Where step
+  lives] in fxmem/rules/optimizers.py), so the replay leaves out the optimizer's host scalars;
+- the per-GPU share of the state under a precision recipe and a sharding stage (``fxmem/precision.py``,
+  ``fxmem/sharding.py``). See Note [Per-GPU state in the replay].
+
+The device total, what nvidia-smi would print for the process, is the reserved peak plus the driver's
+lines; the device verdict and ``max_batch`` use it.
+
+Note [Per-GPU state in the replay]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The step is simulated once, on one GPU, with the model's own dtypes (a recipe with low-precision
+weights converts the model before tracing, so weights, gradients and activations are simulated in it).
+What a recipe or a sharding stage changes beyond that is state: each weight, gradient and optimizer
+state storage is scaled by the ratio of its per-GPU bytes (``shard_state``) to the simulated bytes, the
+optimizer step's temporaries by the optimizer state's ratio (the step runs on the shard, over the fp32
+master copy where there is one), and the per-GPU storages the simulated step lacks (the fp32 master
+copy, ZeRO-3/FSDP's all-gathered units) are placed at the start. Without a recipe and with one GPU every
+ratio is 1 and the replay is exactly the simulated step. With sharding it is an estimate: collective
+buffers (NCCL, DeepSpeed's reduce buckets) are not modelled, and gradients are counted at their shard
+size from the moment they are made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+from fxmem.allocator import FREE, replay
+from fxmem.gpus import GpuSpec
+from fxmem.overheads import Overheads, cuda_overheads
+from fxmem.results import Category, DevicePeak, MemoryEvent, Phase, StateBytes, Timeline
+from fxmem.sharding import PerGpuState
+
+__all__ = ["DeviceModel", "device_model", "replay_step"]
+
+_HOST_SCALAR_OP = "aten.lift_fresh"
+"""How a non-fused optimizer makes its ``step`` counters and scalar operands: ``torch.tensor(...)``,
+which a CUDA run leaves on the host. In the optimizer step only scalars are made this way."""
+
+_SCALED = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """How one GPU holds the simulated step: its allocator, fixed costs and per-GPU state."""
+
+    gpu: GpuSpec
+    overheads: Overheads
+    host_scalars: bool
+    """The optimizer's 0-dim ``torch.tensor`` scalars stay on the host (every implementation but fused)."""
+    scale: Mapping[Category, Fraction]
+    """Per-GPU bytes over simulated bytes, per state category; the optimizer's temporaries follow
+    OPTIMIZER_STATE. See Note [Per-GPU state in the replay]."""
+    extra: tuple[tuple[str, int, str], ...] = ()
+    """Per-GPU storages the simulated step lacks, as (name, bytes, why): master weights, gathered units."""
+
+
+def device_model(gpu: GpuSpec, overrides: Mapping[str, int], *, fused: bool, simulated: StateBytes, per_gpu: PerGpuState) -> DeviceModel:
+    """The device model for ``gpu``: ``simulated`` is the state the timeline holds (the model's own
+    dtypes on one GPU), ``per_gpu`` what one GPU holds under the recipe and sharding stage."""
+    ratio = lambda per, sim: Fraction(per, sim) if sim else Fraction(1)
+    state = ratio(per_gpu.optimizer.nbytes, simulated.optimizer) if simulated.optimizer else ratio(per_gpu.gradients.nbytes, simulated.gradients)
+    scale = {
+        Category.PARAMETER: ratio(per_gpu.weights.nbytes, simulated.weights),
+        Category.GRADIENT: ratio(per_gpu.gradients.nbytes, simulated.gradients),
+        Category.OPTIMIZER_STATE: state,
+    }
+    extra = tuple(
+        (name, line.nbytes, line.why) for name, line in (("master weights", per_gpu.master), ("gathered parameters", per_gpu.gathered)) if line.nbytes
+    )
+    overheads = cuda_overheads(gpu).with_overrides(overrides)
+    return DeviceModel(gpu, overheads, host_scalars=not fused, scale=scale, extra=extra)
+
+
+def replay_step(timeline: Timeline, batch: int, seq: int | None, model: DeviceModel) -> DevicePeak:
+    """Replay the step at ``batch`` through the caching allocator, on top of the fixed costs."""
+    initial = list(_initial(timeline, batch, seq, model))
+    events = list(_events(timeline.events, batch, seq, model))
+    result = replay(events, initial=initial)
+    return DevicePeak(
+        gpu=model.gpu.name,
+        allocated=result.peak_allocated,
+        reserved=result.peak_reserved,
+        total=model.overheads.nvidia_smi(result.peak_reserved),
+        capacity=model.gpu.memory_bytes,
+        overheads=tuple(model.overheads.lines()),
+        extra=model.extra,
+    )
+
+
+def _initial(timeline: Timeline, batch: int, seq: int | None, model: DeviceModel) -> Iterator[tuple[int, int]]:
+    """What the allocator holds before the step: workspaces, per-GPU extras, then the baseline storages.
+    Their ids are negative, apart from the timeline's storage numbers."""
+    sizes = [*model.overheads.initial_allocations(), *(nbytes for _, nbytes, _ in model.extra)]
+    sizes += [_scaled(category, nbytes.at(batch, seq), model) for category, nbytes in timeline.baseline_storages]
+    for i, nbytes in enumerate(sizes):
+        yield -(i + 1), nbytes
+
+
+def _events(events: tuple[MemoryEvent, ...], batch: int, seq: int | None, model: DeviceModel) -> Iterator[tuple[int, int]]:
+    host: set[int] = set()
+    for e in events:
+        if e.alloc and model.host_scalars and e.phase == Phase.OPTIMIZER and e.op == _HOST_SCALAR_OP:
+            host.add(e.storage)
+        if e.storage in host:
+            if not e.alloc:
+                host.discard(e.storage)
+            continue
+        category = Category.OPTIMIZER_STATE if e.phase == Phase.OPTIMIZER and e.category == Category.TEMPORARY else e.category
+        yield (e.storage, _scaled(category, e.nbytes.at(batch, seq), model)) if e.alloc else (e.storage, FREE)
+
+
+def _scaled(category: Category, nbytes: int, model: DeviceModel) -> int:
+    factor = model.scale.get(category, Fraction(1)) if category in _SCALED else Fraction(1)
+    return nbytes if factor == 1 else -(-nbytes * factor.numerator // factor.denominator)

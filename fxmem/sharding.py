@@ -1,0 +1,201 @@
+"""Model state per GPU when N data-parallel GPUs share it: DeepSpeed ZeRO stages 1-3 and PyTorch FSDP.
+
+ZeRO (Rajbhandari et al. 2020, section 5) partitions the state of mixed-precision Adam, 2 + 2 + K
+bytes per parameter, in three steps: stage 1 the optimizer state and the fp32 master copy (the K),
+stage 2 also the gradients, stage 3 also the weights. FSDP's FULL_SHARD shards what stage 3 does.
+Buffers are never sharded: every GPU keeps its own copy (DDP, ZeRO and FSDP alike).
+
+Sharding weights has a price: before a unit of the model runs, its parameters are all-gathered to
+full size in the compute dtype, and freed after it ran. See Note [Gathered units] for which units and
+how many are alive at once.
+
+>>> from fxmem.results import StateBytes
+>>> psi = 1_000_000   # mixed-precision Adam: 2 + 2 bytes, 4 master, 8 state per parameter
+>>> s = StateBytes(psi, psi, 2 * psi, {"bfloat16": 2 * psi}, 0, 2 * psi, 8 * psi, "adam", 4 * psi, "mixed")
+>>> shard_state(s, world_size=4, stage="zero2").total   # 2 psi + 14 psi / 4
+5500000
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from fxmem.errors import InputSpecError
+from fxmem.precision import get_recipe
+from fxmem.results import StateBytes
+
+__all__ = ["STAGES", "PerGpuState", "ShardLine", "shard_state", "units_of"]
+
+STAGES = ("none", "zero1", "zero2", "zero3", "fsdp")
+
+# Note [Gathered units]
+# ZeRO-3 gathers the parameters of each submodule just before it runs (a pre-forward hook per module,
+# ``module.parameters(recurse=False)``): its unit is one module's own parameters, and DeepSpeed's own
+# estimate, ``estimate_zero3_model_states_mem_needs`` with ``model_to_params`` in
+# deepspeed/runtime/zero/stage3.py, charges the largest such "layer". It prefetches the next modules'
+# parameters up to ``stage3_prefetch_bucket_size`` (default 5e7 elements, deepspeed/runtime/zero/
+# config.py); we count one prefetched unit, the second largest, which holds when units are large and
+# undercounts when many small ones fit in the bucket. Parameters under ``stage3_param_persistence_
+# threshold`` (1e5 elements) stay unpartitioned in DeepSpeed; that is not modelled.
+# FSDP's unit is each wrapped module (with transformer_auto_wrap_policy, each block; the root unit keeps
+# the rest). With the defaults ``backward_prefetch=BackwardPrefetch.BACKWARD_PRE`` and
+# ``limit_all_gathers=True`` (FullyShardedDataParallel.__init__, torch/distributed/fsdp/
+# fully_sharded_data_parallel.py), backward holds "the current set of parameters, next set of
+# parameters, and current set of gradients" at its peak (BackwardPrefetch's docstring, torch/
+# distributed/fsdp/api.py): two units' parameters and one unit's unsharded gradient. The rate limiter
+# keeps at most two units' all-gathers alive in forward too. With one GPU there is nothing to gather
+# (FSDP then runs NO_SHARD).
+
+
+@dataclass(frozen=True)
+class ShardLine:
+    """One kind of state on each GPU, and why it is that size."""
+
+    nbytes: int
+    why: str
+
+
+@dataclass(frozen=True)
+class PerGpuState:
+    """The model state one of ``world_size`` GPUs holds under ``stage``."""
+
+    stage: str
+    world_size: int
+    weights: ShardLine
+    buffers: ShardLine
+    gradients: ShardLine
+    master: ShardLine
+    optimizer: ShardLine
+    gathered: ShardLine
+    """Transient: full-size parameters (and for FSDP a unit's gradient) alive while a unit runs."""
+
+    def lines(self) -> Iterator[tuple[str, ShardLine]]:
+        for name in ("weights", "buffers", "gradients", "master", "optimizer", "gathered"):
+            yield name, getattr(self, name)
+
+    @property
+    def total(self) -> int:
+        return sum(line.nbytes for _, line in self.lines())
+
+
+def shard_state(state: StateBytes, *, world_size: int, stage: str, units: Sequence[tuple[str, int]] = ()) -> PerGpuState:
+    """Divide ``state`` (the whole model's, from ``state_bytes``) among ``world_size`` GPUs.
+
+    ``units`` are (name, parameter count) of what zero3/fsdp gather at a time (see ``units_of``); without
+    them the gathered parameters are left out, and the line says so.
+    """
+    _check(world_size, stage)
+    level = STAGES.index(stage) if stage != "fsdp" else STAGES.index("zero3")
+    split = lambda nbytes, at: _split(nbytes, world_size) if level >= at and world_size > 1 else nbytes
+    who = "FSDP FULL_SHARD" if stage == "fsdp" else f"ZeRO stage {level}"
+    return PerGpuState(
+        stage,
+        world_size,
+        _line(split(state.weights, 3), f"weights sharded 1/{world_size} by {who}", "weights replicated on every GPU", level >= 3),
+        ShardLine(state.buffers, "buffers replicated on every GPU (never sharded)"),
+        _line(split(state.gradients, 2), f"gradients reduce-scattered, 1/{world_size} kept", "full gradients on every GPU", level >= 2),
+        _line(split(state.master, 1), f"fp32 master weights sharded 1/{world_size}", "fp32 master weights on every GPU", level >= 1),
+        _line(split(state.optimizer, 1), f"optimizer state sharded 1/{world_size}", "optimizer state on every GPU", level >= 1),
+        _gathered(state, stage, world_size, units) if level >= 3 else ShardLine(0, "nothing gathered: full weights stay resident"),
+    )
+
+
+def _check(world_size: int, stage: str) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise InputSpecError(f"world_size must be a whole number of GPUs, 1 or more; got {world_size!r}.")
+    if stage not in STAGES:
+        raise InputSpecError(f"unknown shard stage '{stage}'; use one of: {', '.join(STAGES)}.")
+
+
+def _split(nbytes: int, world_size: int) -> int:
+    """One GPU's share; partitions are padded to equal size, so the share rounds up."""
+    return math.ceil(nbytes / world_size)
+
+
+def _line(nbytes: int, sharded: str, replicated: str, is_sharded: bool) -> ShardLine:
+    return ShardLine(nbytes, sharded if is_sharded else replicated)
+
+
+def _gathered(state: StateBytes, stage: str, world_size: int, units: Sequence[tuple[str, int]]) -> ShardLine:
+    """See Note [Gathered units]."""
+    if world_size == 1:
+        return ShardLine(0, "one GPU: nothing to all-gather")
+    if not units:
+        return ShardLine(0, "units unknown: the all-gathered parameters are not counted (pass units_of(model))")
+    ranked = sorted(units, key=lambda u: u[1], reverse=True)
+    (big, n_big), second = ranked[0], ranked[1] if len(ranked) > 1 else ("", 0)
+    weight, grad = _element_sizes(state)
+    nbytes = (n_big + second[1]) * weight
+    why = f"all-gathered parameters of the largest unit ({big}) and one prefetched unit ({second[0] or 'none'})"
+    if stage == "fsdp":
+        nbytes += n_big * grad
+        why += ", plus the largest unit's unsharded gradient before its reduce-scatter"
+    return ShardLine(nbytes, why)
+
+
+def _element_sizes(state: StateBytes) -> tuple[int, int]:
+    """Bytes per element of the gathered weights and gradients: the recipe's, else the model's average."""
+    if state.precision:
+        recipe = get_recipe(state.precision)
+        return recipe.weights, recipe.gradients
+    weight = round(state.weights / state.parameters) if state.parameters else 0
+    grad = round(state.gradients / state.trainable) if state.trainable else 0
+    return weight, grad
+
+
+def units_of(model: nn.Module, stage: str = "fsdp") -> list[tuple[str, int]]:
+    """What ``stage`` gathers at a time, as (fqn, parameter count); tied parameters count once.
+
+    "zero3": every module's own parameters (DeepSpeed's fetch unit). Otherwise FSDP's default wrap:
+    each child of the largest container of repeated blocks (a ModuleList, or a Sequential of one block
+    type), plus "(rest)" for the parameters outside them; without such a container, each top-level
+    child plus "(root)" for the root's own parameters.
+
+    >>> units_of(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    [('0', 20), ('2', 10)]
+    """
+    _check(1, stage)
+    if stage == "zero3":
+        return _module_units(model)
+    return _block_units(model)
+
+
+def _module_units(model: nn.Module) -> list[tuple[str, int]]:
+    seen: set[int] = set()
+    units = [(fqn or "(root)", _count(m.parameters(recurse=False), seen)) for fqn, m in model.named_modules()]
+    return [(fqn, n) for fqn, n in units if n]
+
+
+def _block_units(model: nn.Module) -> list[tuple[str, int]]:
+    containers = [(fqn, m) for fqn, m in model.named_modules() if fqn and _repeated(m)]
+    seen: set[int] = set()
+    if containers:
+        fqn, blocks = max(containers, key=lambda c: _count(c[1].parameters(), set()))
+        units = [(f"{fqn}.{name}", _count(child.parameters(), seen)) for name, child in blocks.named_children()]
+        units.append(("(rest)", _count(model.parameters(), seen)))
+    else:
+        units = [(name, _count(child.parameters(), seen)) for name, child in model.named_children()]
+        units.append(("(root)", _count(model.parameters(), seen)))
+    return [(fqn, n) for fqn, n in units if n]
+
+
+def _repeated(m: nn.Module) -> bool:
+    """A container of two or more blocks: a ModuleList, or a Sequential whose children share one type."""
+    children = list(m.children())
+    if len(children) < 2:
+        return False
+    return isinstance(m, nn.ModuleList) or (isinstance(m, nn.Sequential) and len({type(c) for c in children}) == 1)
+
+
+def _count(params: Iterator[nn.Parameter], seen: set[int]) -> int:
+    """Elements of the parameters not seen yet; marks them seen."""
+    total = 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total

@@ -1,0 +1,111 @@
+"""The training setup a prediction is for: target device and GPU, autocast, precision, sharding.
+
+Everything here is checked at the boundary and then read by the stages: capture and the timeline run
+the forward under ``kernels()`` (what the target's kernels save, and its autocast policy), the state
+stage reads the precision recipe and the sharding plan, and the peak stage replays the step through
+the target's allocator (``fxmem/allocator.py``) where the target is CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxmem.errors import InputSpecError
+
+if TYPE_CHECKING:
+    from fxmem.gpus import GpuSpec
+
+__all__ = ["AMP_DTYPES", "DEFAULT_GPU", "SHARDS", "TARGETS", "TrainingSetup"]
+
+TARGETS = ("cuda", "cpu")
+DEFAULT_GPU = "h100-80gb"
+"""The GPU a cuda-target prediction is for when none is named."""
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
+IMPLS = ("foreach", "fused", "for-loop")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """Where and how the step runs. The defaults describe one H100 training in fp32 with torch's
+    default optimizer implementation for that device (foreach on CUDA, for-loop on the CPU)."""
+
+    target: str = "cuda"
+    gpu: str = DEFAULT_GPU
+    amp: str | None = None
+    """'bf16' or 'fp16': the forward and the loss run under autocast with the target's cast policy."""
+    precision: str = ""
+    """A recipe of fxmem/precision.py; '' picks 'amp' when ``amp`` is set, else 'fp32'."""
+    world_size: int = 1
+    shard: str = "none"
+    optimizer_impl: str | None = None
+    """'foreach', 'fused' or 'for-loop'; None: what torch picks on the target device."""
+    overheads: dict[str, int] = field(default_factory=dict)
+    """Overrides of the fixed CUDA costs by line name (see fxmem/overheads.py), in bytes."""
+
+    def __post_init__(self) -> None:
+        _check_choice("target", self.target, TARGETS)
+        if self.amp is not None:
+            _check_choice("amp", self.amp, tuple(AMP_DTYPES))
+        _check_choice("shard", self.shard, SHARDS)
+        if self.optimizer_impl is not None:
+            _check_choice("optimizer_impl", self.optimizer_impl, IMPLS)
+        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
+            raise InputSpecError(f"world_size must be a whole number of GPUs, 1 or more; got {self.world_size!r}.")
+        if self.shard != "none" and self.target != "cuda":
+            raise InputSpecError(f"--shard {self.shard} shards state across GPUs: use it with --target cuda.")
+        if self.target == "cuda":
+            self.device  # noqa: B018 - fails early on an unknown --gpu
+
+    @property
+    def cuda(self) -> bool:
+        return self.target == "cuda"
+
+    @property
+    def device(self) -> GpuSpec:
+        """The GPU of a cuda target."""
+        from fxmem.gpus import get_gpu
+
+        return get_gpu(self.gpu)
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        return AMP_DTYPES[self.amp] if self.amp is not None else None
+
+    @property
+    def recipe(self) -> str:
+        return self.precision or ("amp" if self.amp is not None else "fp32")
+
+    def kernels(self) -> Callable[[], AbstractContextManager[object]]:
+        """A factory of the context the forward and the loss run in: the cuda target's kernel choices and
+        autocast policy (fxmem/target.py), CPU autocast for a cpu target with ``amp``, else nothing."""
+        amp = self.amp_dtype
+        if self.cuda:
+            from fxmem.target import CudaTargetMode
+
+            capability = self.device.compute_capability
+            return lambda: CudaTargetMode(compute_capability=capability, amp=amp)
+        if amp is not None:
+            return lambda: torch.autocast("cpu", dtype=amp)
+        return contextlib.nullcontext
+
+    def describe(self) -> str:
+        """One line for the report's header."""
+        where = "cpu" if not self.cuda else f"cuda: {self.device.label}"
+        parts = [where, f"precision {self.recipe}" + (f" (autocast {self.amp})" if self.amp else "")]
+        if self.world_size > 1 or self.shard != "none":
+            parts.append(f"{self.world_size} GPU{'s' if self.world_size > 1 else ''}, shard {self.shard}")
+        if self.optimizer_impl:
+            parts.append(f"optimizer {self.optimizer_impl}")
+        return ", ".join(parts)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InputSpecError(f"unknown {name} {value!r}; use one of: {', '.join(choices)}.")

@@ -1,0 +1,107 @@
+"""The fixed CUDA costs: workspace arithmetic, per-architecture defaults, overrides, and counters."""
+
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+import fxmem.overheads
+from fxmem.allocator import replay
+from fxmem.errors import InputSpecError
+from fxmem.gpus import get_gpu
+from fxmem.overheads import CONTEXT_BYTES, Where, cublas_workspace_size, cuda_overheads, parse_cublas_workspace_config
+
+KiB, MiB = 2**10, 2**20
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(fxmem.overheads, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "nbytes"),
+    [
+        (":4096:8", 8 * 4096 * KiB),  # 8 x 4096 KiB = 32 MiB, torch's Hopper default
+        (":4096:2:16:8", 2 * 4096 * KiB + 8 * 16 * KiB),  # 8 MiB + 128 KiB = 8,519,680 B, the pre-Hopper default
+        (":16:8", 8 * 16 * KiB),  # the deterministic-mode setting torch's docs suggest
+        (":0:0", 0),
+    ],
+)
+def test_workspace_config_arithmetic(config: str, nbytes: int) -> None:
+    assert parse_cublas_workspace_config(config) == nbytes
+
+
+def test_pre_hopper_default_matches_the_measured_leftover() -> None:
+    # pytorch/pytorch#95668: one Linear on an A10G (sm_86) left 8,519,680 B in memory_allocated.
+    assert cublas_workspace_size(get_gpu("rtx3090")) == 8_519_680
+
+
+def test_unparsable_workspace_config_is_an_input_error() -> None:
+    with pytest.raises(InputSpecError, match="':SIZE:COUNT'"):
+        parse_cublas_workspace_config("4096x8")
+
+
+@pytest.mark.parametrize(
+    ("name", "each"), [("h100-80gb", 32 * MiB), ("h200", 32 * MiB), ("a100-80gb", 8_519_680), ("l40s", 8_519_680), ("t4", 8_519_680)]
+)
+def test_cublas_default_depends_on_the_architecture(name: str, each: int) -> None:
+    # 32 MiB for compute capability 9.x-12.x, ":4096:2:16:8" below; two workspaces in a training step.
+    line = cuda_overheads(get_gpu(name)).line("cublas_workspace")
+    assert (line.nbytes, line.pieces, line.where) == (2 * each, (each, each), Where.PERSISTENT)
+
+
+def test_counters_split_driver_and_allocator_lines() -> None:
+    o = cuda_overheads(get_gpu("h100-80gb"))
+    # Driver: the 512 MiB context only. Allocator: 2 x 32 MiB cuBLAS; cuBLASLt shares them; cuDNN 0.
+    assert o.driver_bytes == CONTEXT_BYTES == 512 * MiB
+    assert o.allocator_bytes == 64 * MiB
+    assert o.initial_allocations() == (32 * MiB, 32 * MiB)
+    assert o.nvidia_smi(peak_reserved=1000 * MiB) == 1512 * MiB
+    assert [name for name, _, _ in o.lines()] == ["cuda_context", "cublas_workspace", "cublaslt_workspace", "cudnn_workspace"]
+    assert all(why for _, _, why in o.lines())
+
+
+def test_non_unified_cublaslt_adds_its_own_workspaces() -> None:
+    # TORCH_CUBLASLT_UNIFIED_WORKSPACE=0: one CUBLASLT_WORKSPACE_SIZE (1024 KiB) per (handle, stream).
+    o = cuda_overheads(get_gpu("a100-80gb"), cublaslt_unified=False)
+    assert o.line("cublaslt_workspace").nbytes == 2 * 1024 * KiB
+    assert o.allocator_bytes == 2 * 8_519_680 + 2 * MiB
+
+
+def test_arguments_replace_defaults() -> None:
+    o = cuda_overheads(
+        get_gpu("a100-80gb"), context_bytes=300 * MiB, cublas_workspace_config=":4096:8", blas_workspaces=1, cudnn_workspace_bytes=64 * MiB
+    )
+    assert [(n, b) for n, b, _ in o.lines()] == [
+        ("cuda_context", 300 * MiB),
+        ("cublas_workspace", 32 * MiB),
+        ("cublaslt_workspace", 0),
+        ("cudnn_workspace", 64 * MiB),
+    ]
+    assert o.line("cudnn_workspace").where is Where.TRANSIENT
+    assert o.initial_allocations() == (32 * MiB,)  # the transient cuDNN workspace is not live at the start
+    with pytest.raises(InputSpecError, match="context_bytes"):
+        cuda_overheads(get_gpu("t4"), context_bytes=-1)
+
+
+def test_overrides_by_line_name() -> None:
+    o = cuda_overheads(get_gpu("h100-80gb")).with_overrides({"cuda_context": 600 * MiB, "cublas_workspace": 16 * MiB})
+    assert o.driver_bytes == 600 * MiB
+    assert o.line("cublas_workspace").pieces == (8 * MiB, 8 * MiB)  # 16 MiB over the same two workspaces
+    assert "set by --overhead cuda_context" in o.line("cuda_context").why
+    odd = cuda_overheads(get_gpu("h100-80gb")).with_overrides({"cublas_workspace": 3})
+    assert odd.line("cublas_workspace").pieces == (3,)  # does not split evenly: one block
+    with pytest.raises(InputSpecError, match="cuda_context, cublas_workspace"):
+        cuda_overheads(get_gpu("h100-80gb")).with_overrides({"cuda_ctx": 1})
+    with pytest.raises(InputSpecError, match="0 or more"):
+        cuda_overheads(get_gpu("h100-80gb")).with_overrides({"cuda_context": -5})
+
+
+def test_persistent_workspaces_feed_the_allocator_replay() -> None:
+    # Two 32 MiB workspaces (>= 10 MiB: 32 MiB segments each) before a 5 MiB activation (20 MiB segment).
+    o = cuda_overheads(get_gpu("h100-80gb"))
+    initial = [(-(i + 1), n) for i, n in enumerate(o.initial_allocations())]
+    r = replay([(0, 5 * MiB)], initial=initial)
+    assert (r.peak_allocated, r.peak_reserved) == (69 * MiB, 84 * MiB)
