@@ -30,9 +30,9 @@ Note [cudnn batch norm]
 
 Limits, each a choice: feature dropout (dropout1d/2d/3d), alpha dropout and in-place dropout run as
 on the CPU, as on CUDA (``dropout_`` and ``feature_dropout`` in Dropout.cpp never take the fused
-kernel). Inner calls of a Python function of ``torch.nn.functional`` (``multi_head_attention_forward``,
-``interpolate``) are seen one by one, as the dispatcher sees them; other Python functions are not
-re-entered. The math path's dropout is the CPU's (a noise tensor in the input's dtype).
+kernel). The inner calls of ``F.multi_head_attention_forward`` (a Python function that reaches the mode
+whole) are seen one by one, as the dispatcher sees them (see ``_REENTERED``); other Python functions are
+not re-entered. The math path's dropout is the CPU's (a noise tensor in the input's dtype).
 """
 
 from __future__ import annotations
