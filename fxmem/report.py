@@ -208,6 +208,11 @@ def format_flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def format_rate(r: float) -> str:
+    """Samples per second: whole numbers from 100 up, three significant digits below."""
+    return f"{r:,.0f}" if r >= 100 else f"{r:.3g}"
+
+
 def format_seconds(t: float) -> str:
     """Three significant digits in s, ms or µs."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3)):
@@ -230,7 +235,7 @@ def _compute_lines(report: Report, b: int, at: str) -> list[list[str]]:
         [f"FLOPs at {at}", format_flops(f.total), f"forward {format_flops(f.forward)}, backward {format_flops(f.backward)}, optimizer {format_flops(f.optimizer)} (torch.utils.flop_counter){missing}"],
         [
             f"Step time at {at}", f">= {format_seconds(t.seconds)}",
-            f"roofline lower bound on {gpu.label}, not a benchmark: <= {t.samples_per_second(b):,.0f} samples/s, "
+            f"roofline lower bound on {gpu.label}, not a benchmark: <= {format_rate(t.samples_per_second(b))} samples/s, "
             f"{t.peak_share:.0%} of {'tf32' if t.tf32 else _dtype_label(t.dtype)} peak; optimizer step {format_seconds(share)}"
             + (f"; most memory-bound: {slow}" if slow else ""),
         ],
@@ -248,7 +253,7 @@ def _tradeoff_section(report: Report) -> str:
     rows = [
         [
             r.batch, format_bytes(r.state), format_bytes(r.activations), format_bytes(r.peak), format_bytes(r.device),
-            format_seconds(r.seconds), f"{r.samples_per_second:,.0f}", f"{r.peak_share:.0%}",
+            format_seconds(r.seconds), format_rate(r.samples_per_second), f"{r.peak_share:.0%}",
         ]
         for r in report.tradeoff()
     ]  # fmt: skip
