@@ -98,3 +98,14 @@ def test_a_report_without_the_step_says_how_to_get_the_peak() -> None:
     report = fxmem.analyze(nn.Linear(4, 2), ["B,4"], peak=False, target="cpu")
     with pytest.raises(fxmem.FxmemError, match="peak=False"):
         report.peak(4)
+
+
+def test_cpu_autocast_step_matches_the_measured_one() -> None:
+    # --target cpu --amp bf16 runs the fake step under torch.autocast("cpu"), as measure_peak runs the
+    # real one: the peak agrees to the byte on the GPT test config (no convolution, whose bf16 oneDNN
+    # buffers have no rule yet).
+    spec = fxmem.load_model("zoo:gpt2-small:test")
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, batch=4, target="cpu", amp="bf16")
+    real = fxmem.load_model("zoo:gpt2-small:test", meta=False).model
+    measured = fxmem.measure_peak(real, spec.inputs, 4, loss=spec.loss, amp="bf16")
+    assert report.peak(4).bytes == measured.bytes
