@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 
 import torch
 from torch import fx, nn
@@ -79,7 +80,7 @@ def analyze(
     """
     name = name or type(model).__name__
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}))
-    specs, loss_fn, opt = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
+    specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
     _check_model_args(model, leaf_types)
     seq = _seq_len(specs, seq_len)
@@ -110,16 +111,16 @@ def _state(
     The step is simulated with the model's own dtypes; the device model scales its state to the recipe
     and the sharding stage (Note [Per-GPU state in the replay] in fxmem/device.py).
     """
-    count = lambda precision: state_bytes(
-        model, optimizer=opt, param_dtype=param_dtype, precision=precision, optimizer_impl=impl, target=setup.target
+    count = lambda precision, dtype: state_bytes(
+        model, optimizer=opt, param_dtype=dtype, precision=precision, optimizer_impl=impl, target=setup.target
     )
-    state = count(setup.precision or None)
+    state = count(setup.precision or None, param_dtype)
     units = units_of(model, setup.shard) if setup.shard in ("zero3", "fsdp") else []
     per_gpu = shard_state(state, world_size=setup.world_size, stage=setup.shard, units=units)
     if not setup.cuda:
         return state, per_gpu, None
     fused = impl == "fused"
-    return state, per_gpu, device_model(setup.device, setup.overheads, fused=fused, simulated=count(None), per_gpu=per_gpu)
+    return state, per_gpu, device_model(setup.device, setup.overheads, fused=fused, simulated=count(None, setup.state_dtype or param_dtype), per_gpu=per_gpu)
 
 
 def _simulate_steps(
@@ -136,7 +137,7 @@ def _simulate_steps(
             say(f"simulating the training step at B={b}")
         return simulate_step(
             gm, specs, loss=loss, optimizer=opt, batch=b, rules=rules, workspaces=workspaces, model=name,
-            seq=seq if b else None, kernels=kernels, optimizer_impl=impl,
+            seq=seq if b else None, kernels=kernels, optimizer_impl=impl, state_dtype=setup.state_dtype,
         )
 
     def symbolic() -> tuple[Timeline | None, str]:
@@ -212,7 +213,9 @@ def _pass(
     rules, kernels = op_rules_for(setup.target), setup.kernels()
 
     def run(batch: int | None, seq: int | None) -> Capture:
-        return capture_saved(gm, specs, loss=loss, batch=batch, seq=seq, rules=rules, model=name, strict=strict, kernels=kernels)
+        return capture_saved(
+            gm, specs, loss=loss, batch=batch, seq=seq, rules=rules, model=name, strict=strict, kernels=kernels, state_dtype=setup.state_dtype
+        )
 
     return run
 
@@ -240,6 +243,13 @@ def _concrete_evaluator(
     run = _pass(gm, specs, loss, name, strict, setup)
 
     return lambda batch: node_bytes_at(run(batch, seq))
+
+
+def _in_dtype(specs: tuple[InputSpec, ...], dtype: torch.dtype | None) -> tuple[InputSpec, ...]:
+    """Float32 inputs in a recipe's low-precision dtype, as a bf16 model is fed (``x.to(dtype)``)."""
+    if dtype is None:
+        return specs
+    return tuple(replace(s, dtype=dtype) if s.dtype == torch.float32 else s for s in specs)
 
 
 def _check_threshold(threshold: object) -> int:

@@ -69,8 +69,9 @@ def swapped_state(gm: fx.GraphModule, replace: Callable[[torch.Tensor], torch.Te
             slots[name] = value
 
 
-def fake_like(t: torch.Tensor) -> torch.Tensor:
-    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+def fake_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An empty copy of ``t`` (a Parameter stays one), in ``dtype`` where given."""
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device="cpu")
     return torch.nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
 
 

@@ -299,15 +299,17 @@ def capture_saved(
     seq: int | None = None,
     strict: bool = False,
     kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    state_dtype: torch.dtype | None = None,
 ) -> Capture:
     """Run ``gm`` on fake tensors at a concrete ``batch``, or with a symbolic B when ``batch`` is None.
 
     Inputs with a sequence axis S get ``seq``, or one symbolic S when ``seq`` is None. The forward and
     the loss run inside ``kernels()``: the target device's kernel choices and autocast policy
-    (``TrainingSetup.kernels``).
+    (``TrainingSetup.kernels``). ``state_dtype`` holds the floating parameters and buffers in that dtype
+    (a precision recipe's, as ``model.to(dtype)`` would), without touching the model.
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B (and S).
     """
-    fake = fake_batch(specs, batch, seq)
+    fake = fake_batch(specs, batch, seq, state_dtype)
     with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log():
         book = _new_book(gm, fake.inputs, fake.symbols.get("B"), fake.symbols.get("S"))
         book.strict = strict
@@ -332,11 +334,13 @@ class FakeBatch:
     inputs: list[torch.Tensor]
     symbols: dict[str, Any]
     """Sympy symbols by name ("B", "S") for the axes that are symbolic in this pass."""
+    state_dtype: torch.dtype | None = None
+    """The dtype floating parameters and buffers take in this pass (None: their own)."""
 
     def state_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A fake copy of a parameter or buffer, static in every axis (for ``swapped_state``)."""
         with self.mode:
-            return fake_like(t)
+            return fake_like(t, self.state_dtype if t.is_floating_point() else None)
 
     def check_symbols(self) -> None:
         """Raise BatchSpecialized when the model guarded a symbol down to a constant during the pass."""
@@ -345,9 +349,9 @@ class FakeBatch:
                 raise BatchSpecialized(f"the model fixed {name} to {self.shape_env.replacements[symbol]}")
 
 
-def fake_batch(specs: Sequence[InputSpec], batch: int | None, seq: int | None) -> FakeBatch:
+def fake_batch(specs: Sequence[InputSpec], batch: int | None, seq: int | None, state_dtype: torch.dtype | None = None) -> FakeBatch:
     """Fake inputs at a concrete ``batch``, or with one symbol B for every batch axis when it is None;
-    the same for the sequence axis S (``seq``) where an input has one."""
+    the same for the sequence axis S (``seq``) where an input has one. ``state_dtype``: see ``FakeBatch``."""
     shape_env = ShapeEnv()
     mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
     with mode:
@@ -355,7 +359,7 @@ def fake_batch(specs: Sequence[InputSpec], batch: int | None, seq: int | None) -
         s = _new_symbol(shape_env, "S", _SEQ_HINT) if seq is None and has_seq(specs) else seq
         inputs = [make_tensor(spec, b, s) for spec in specs]
     symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
-    return FakeBatch(mode, shape_env, inputs, symbols)
+    return FakeBatch(mode, shape_env, inputs, symbols, state_dtype)
 
 
 @contextlib.contextmanager

@@ -301,6 +301,11 @@ def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer
 
 
 def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    if args.world_size != 1 or args.shard != "none" or args.precision:
+        raise InputSpecError(
+            "measure --peak runs one real step on one device with the model's own dtypes: --world-size, --shard and "
+            "--precision apply to 'fxmem analyze' only; drop them here (--amp and --optimizer-impl do apply)."
+        )
     opt = get_optimizer(args.optimizer).name
     spec, report = _step_report(args, say, opt)
     predicted = report.peak(args.batch, first_step=args.first_step)

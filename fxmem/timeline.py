@@ -259,15 +259,17 @@ def simulate_step(
     seq: int | None = None,
     kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     optimizer_impl: str | None = None,
+    state_dtype: torch.dtype | None = None,
 ) -> Timeline:
     """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
 
     The forward and the loss run inside ``kernels()`` (the target's kernels and autocast policy, see
     ``TrainingSetup.kernels``); the optimizer is built with ``optimizer_impl`` (None: torch's default).
+    ``state_dtype`` holds floating parameters and buffers in that dtype (see ``capture_saved``).
 
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
     """
-    fake = fake_batch(specs, batch, seq)
+    fake = fake_batch(specs, batch, seq, state_dtype)
     with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log():
         tracker = _Tracker(rules, workspaces)
         params = dict(gm.named_parameters())

@@ -79,6 +79,17 @@ class TrainingSetup:
         return AMP_DTYPES[self.amp] if self.amp is not None else None
 
     @property
+    def state_dtype(self) -> torch.dtype | None:
+        """The dtype the model's floating weights are held (and computed) in under an explicit recipe
+        with low-precision weights (bf16, mixed): the step is simulated as after ``model.to(dtype)``."""
+        if not self.precision:
+            return None
+        from fxmem.precision import get_recipe
+
+        dtype = get_recipe(self.precision).weight_dtype
+        return None if dtype == torch.float32 else dtype
+
+    @property
     def recipe(self) -> str:
         return self.precision or ("amp" if self.amp is not None else "fp32")
 

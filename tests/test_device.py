@@ -7,6 +7,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+import torch
 from torch import nn
 
 import fxmem
@@ -139,3 +140,21 @@ def test_json_carries_the_target_and_the_gpu_counters() -> None:
     assert device["max_memory_allocated"] == report.peak().device.allocated  # type: ignore[union-attr]
     assert device["overheads"]["cuda_context"] == CONTEXT
     assert "autocast bf16" in str(report).splitlines()[1]
+
+
+def test_a_low_precision_recipe_runs_the_step_in_its_dtype() -> None:
+    # precision="bf16" simulates the step as after model.to(torch.bfloat16) with bf16 inputs: the ReLU
+    # keeps its 32 outputs at 2 bytes (64 B per sample, not 128), the input batch is 64 x 2 B per
+    # sample; the user's model is not touched.
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 2))
+    bf16 = fxmem.analyze(model, ["B,64"], precision="bf16", batch=4)
+    fp32 = fxmem.analyze(model, ["B,64"], batch=4)
+    assert (bf16.activations.per_sample, fp32.activations.per_sample) == (64, 128)
+    assert bf16.accounting.inputs.per_sample == 128
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    # mixed: bf16 weights and gradients in the step, fp32 master and moments on the GPU: the replay
+    # adds the master copy (4 B/param) and doubles the simulated bf16 moments.
+    mixed = fxmem.analyze(model, ["B,64"], precision="mixed", batch=4, optimizer="adamw")
+    params = 64 * 32 + 32 + 32 * 2 + 2
+    assert mixed.state.master == 4 * params and mixed.state.optimizer == 8 * params
+    assert mixed.peak(4).device.extra == (("master weights", 4 * params, "fp32 master weights on every GPU"),)  # type: ignore[union-attr]

@@ -244,6 +244,11 @@ def test_no_traceback_reaches_the_terminal(argv: list[str], expected: str) -> No
     assert "Traceback" not in done.stderr
 
 
+def test_measure_peak_refuses_what_one_real_step_cannot_be(capsys: pytest.CaptureFixture[str]) -> None:
+    line = error_line(capsys, "measure", "zoo:wide-mlp:test", "--peak", "--target", "cpu", "--precision", "mixed")
+    assert "--precision apply to 'fxmem analyze' only" in line
+
+
 def test_analyze_checks_its_arguments() -> None:
     """The library boundary: a non-module and leaf_types that are names, not classes, get clear errors."""
     with pytest.raises(FxmemError, match="needs an nn.Module, got str"):
