@@ -96,7 +96,7 @@ def _throughput(ax: Any, report: Report, sizes: list[int]) -> None:
     twin = ax.twinx()
     rates = [report.step_time(b).samples_per_second(b) for b in sizes]
     twin.plot(sizes, rates, color="#8172b3", marker="o", ms=3, lw=1.5, label="samples/s (roofline upper bound)")
-    twin.set_ylabel(f"samples/s on {report._gpu().label} (upper bound)")
+    twin.set_ylabel(f"samples/s on {report.gpu.label} (upper bound)")
     twin.set_ylim(bottom=0)
     twin.legend(loc="lower right", fontsize=8)
 

@@ -226,8 +226,9 @@ def _compute_lines(report: Report, b: int, at: str) -> list[list[str]]:
     if report.steps is None:
         return []
     f, t = report.flops(b), report.step_time(b)
-    missing = f"; {len(f.missing)} kinds of op have no FLOP formula and count for bytes only" if f.missing else ""
-    gpu = report._gpu()
+    names = ", ".join(op.removeprefix("aten.") for op, _ in f.missing[:4]) + (", ..." if len(f.missing) > 4 else "")
+    missing = f"; {len(f.missing)} kinds of op have no FLOP formula and count for bytes only ({names})" if f.missing else ""
+    gpu = report.gpu
     bound = memory_bound_nodes(report.timeline(b), b, gpu, report.seq_len, top=3)
     slow = ", ".join(n.fqn or n.node for n in bound)
     share = sum(p.seconds for p in t.phases if p.phase == Phase.OPTIMIZER)
@@ -259,7 +260,7 @@ def _tradeoff_section(report: Report) -> str:
     ]  # fmt: skip
     headers = ["B", "State", "Activations", "Peak", "GPU total", "Step time >=", "Samples/s <=", "Of peak FLOP/s"]
     table = tabulate(rows, headers=headers, disable_numparse=True)
-    return f"\n\nBatch size trade-off on {report._gpu().label} (step time is a roofline lower bound, not a benchmark):\n\n{table}"
+    return f"\n\nBatch size trade-off on {report.gpu.label} (step time is a roofline lower bound, not a benchmark):\n\n{table}"
 
 
 def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
@@ -423,15 +424,15 @@ def _compute_dict(report: Report) -> dict[str, Any]:
     for phase, at_b in (("forward", f.forward), ("backward", f.backward), ("optimizer", f.optimizer)):
         flops[phase] = {**(_expr_dict(exprs[phase]) if exprs is not None else {}), "at_batch": at_b}
     flops["without_formula"] = dict(f.missing)
-    bound = memory_bound_nodes(report.timeline(b), b, report._gpu(), report.seq_len)
+    bound = memory_bound_nodes(report.timeline(b), b, report.gpu, report.seq_len)
     roofline = {
-        "gpu": report._gpu().name, "batch": b, "seconds": t.seconds, "samples_per_second": t.samples_per_second(b),
+        "gpu": report.gpu.name, "batch": b, "seconds": t.seconds, "samples_per_second": t.samples_per_second(b),
         "peak_share": t.peak_share, "dtype": _dtype_label(t.dtype), "is_lower_bound": True,
         "phases": {p.phase.value: {"seconds": p.seconds, "flops": p.flops, "bytes": p.moved_bytes} for p in t.phases},
         "memory_bound_nodes": [n.node for n in bound],
         "nodes": [
             {"node": n.node, "layer": n.fqn, "flops": n.flops, "bytes_moved": n.moved_bytes, "intensity": n.intensity if n.moved_bytes else None, "seconds": n.seconds, "bound": n.bound.value}
-            for n in node_costs(report.timeline(b), b, report._gpu(), report.seq_len)
+            for n in node_costs(report.timeline(b), b, report.gpu, report.seq_len)
         ],
     }  # fmt: skip
     tradeoff = [r.__dict__ for r in report.tradeoff()] if report.device_memory is not None else None

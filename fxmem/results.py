@@ -509,7 +509,7 @@ class Report:
         from fxmem.tradeoff import step_estimate
 
         batch = self.batch if batch is None else batch
-        return step_estimate(self.timeline(batch), batch, self._gpu(), self.seq_len)
+        return step_estimate(self.timeline(batch), batch, self.gpu, self.seq_len)
 
     def tradeoff(self, batches: Sequence[int] | None = None) -> tuple[Any, ...]:
         """Memory and estimated throughput per batch size (``tradeoff.TradeoffRow``): by default powers
@@ -535,7 +535,10 @@ class Report:
             judged.append(("largest batch that fits", largest))
         return batchnorm_caveat(self.bn_layers, judged, self.bn_threshold)
 
-    def _gpu(self) -> Any:
+    @property
+    def gpu(self) -> Any:
+        """The ``gpus.GpuSpec`` of the setup: the target GPU, or for a cpu target the GPU ``--gpu`` names
+        (the roofline estimates time on it)."""
         from fxmem.gpus import get_gpu
 
         return get_gpu(self.setup.gpu if self.setup is not None else "h100-80gb")

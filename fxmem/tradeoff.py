@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fxmem.flops import IGNORED
 from fxmem.gpus import GpuSpec
 from fxmem.results import OpCostRecord, Phase, Timeline
 from fxmem.roofline import Bound, StepTime, op_time, step_time
@@ -57,6 +58,8 @@ Normalization" (ECCV 2018), Figure 1: BatchNorm's ImageNet error rises steeply b
 
 _FORWARD = (Phase.FORWARD, Phase.LOSS)
 _TF32_OPS = frozenset({"aten.convolution", "aten.convolution_backward", "aten._convolution"})
+_NO_ARITHMETIC = frozenset(str(p) for p in IGNORED)
+"""Ops known to do no arithmetic (fxmem/flops.py gives each its reason): never listed as missing."""
 _PEAK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,7 +86,7 @@ def flop_count(timeline: Timeline, batch: int, seq: int | None = None) -> FlopCo
     missing: Counter[str] = Counter()
     for c in timeline.costs:
         by_phase[c.phase] += c.flops.at(batch, seq)
-        if not c.has_formula:
+        if not c.has_formula and c.op not in _NO_ARITHMETIC:
             missing[c.op] += 1
     forward = sum(by_phase[p] for p in _FORWARD)
     return FlopCount(batch, forward, by_phase[Phase.BACKWARD], by_phase[Phase.OPTIMIZER], tuple(missing.most_common()))
