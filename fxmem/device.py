@@ -15,6 +15,11 @@ The timeline (stage 6) lists every storage the step makes, at its exact size. A 
 The device total, what nvidia-smi would print for the process, is the reserved peak plus the driver's
 lines; the device verdict and ``max_batch`` use it.
 
+One steady step is replayed from an empty cache. ``max_memory_allocated`` depends only on which blocks
+are live and how each request is rounded or left unsplit, so it is the figure to compare with a GPU;
+the reserved peak, and so nvidia-smi's total, is an estimate: a long run's cache also holds the
+segments earlier steps split in their own pattern.
+
 Note [Per-GPU state in the replay]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The step is simulated once, on one GPU, with the model's own dtypes (a recipe with low-precision
