@@ -17,7 +17,7 @@ from tabulate import tabulate
 from fxmem.inputs import dtype_name, format_dims
 from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Report, Timeline
 from fxmem.symbolic import ByteExpr
-from fxmem.tradeoff import flop_exprs, memory_bound_nodes, node_costs
+from fxmem.tradeoff import flop_exprs, memory_bound_nodes, node_costs, node_flop_exprs
 
 __all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "render_timeline", "to_dict"]
 
@@ -356,6 +356,8 @@ def _expr_dict(e: ByteExpr) -> dict[str, Any]:
 def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
     """The JSON view: bytes are integers; per_sample and constant are the exact a and c."""
     b, s = report.batch, report.state
+    symbolic = report.steps._symbolic() if report.steps is not None else None
+    flops = node_flop_exprs(symbolic) if symbolic is not None else {}
     out: dict[str, Any] = {
         "model": report.model,
         "loss": report.loss,
@@ -372,7 +374,7 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
             "optimizer": s.optimizer, "optimizer_name": s.optimizer_name, "total": s.total,
         },
         "activations": _expr_dict(report.activations),
-        "nodes": [_node_dict(n) for n in report.nodes],
+        "nodes": [_node_dict(n, flops.get(n.name)) for n in report.nodes],
         "layers": [
             {"layer": r.fqn, "ops": list(r.ops), "nodes": list(r.nodes), "saved": _expr_dict(r.saved), "bytes_at_batch": a}
             for r, a in zip(group_layers(report, depth), _layer_bytes(report, group_layers(report, depth), b))
@@ -467,7 +469,9 @@ def _input_expr(spec: Any) -> ByteExpr:
     return ByteExpr(per_sample=per)
 
 
-def _node_dict(n: NodeRecord) -> dict[str, Any]:
+def _node_dict(n: NodeRecord, flops: dict[str, ByteExpr] | None = None) -> dict[str, Any]:
+    """One fx node: its saved bytes, and (where the step was simulated with a symbolic batch) its FLOPs
+    forward and backward, each {per_sample, constant}."""
     return {
         "name": n.name,
         "op": n.info.op,
@@ -477,6 +481,7 @@ def _node_dict(n: NodeRecord) -> dict[str, Any]:
         "saved": _expr_dict(n.saved),
         "saved_at_1": n.exact.get(1),
         "saved_tensors": [_saved_tensor_dict(t, 1) for t in n.tensors],
+        "flops": {side: _expr_dict(e) for side, e in flops.items()} if flops is not None else None,
     }
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "flop_exprs",
     "memory_bound_nodes",
     "node_costs",
+    "node_flop_exprs",
     "step_estimate",
 ]
 
@@ -96,6 +97,18 @@ def flop_exprs(timeline: Timeline) -> dict[str, ByteExpr]:
     """FLOPs per phase as polynomials in B (and S): exact where ``timeline`` has a symbolic batch."""
     phases = {"forward": _FORWARD, "backward": (Phase.BACKWARD,), "optimizer": (Phase.OPTIMIZER,)}
     return {name: ByteExpr.total(c.flops for c in timeline.costs if c.phase in ps) for name, ps in phases.items()}
+
+
+def node_flop_exprs(timeline: Timeline) -> dict[str, dict[str, ByteExpr]]:
+    """Each node's FLOPs as polynomials in B (and S): "forward" (its own ops) and "backward" (the ops
+    autograd runs for its gradient), for the nodes that have any."""
+    out: dict[str, dict[str, ByteExpr]] = {}
+    for c in timeline.costs:
+        if c.phase in _FORWARD or c.phase == Phase.BACKWARD:
+            side = "backward" if c.phase == Phase.BACKWARD else "forward"
+            entry = out.setdefault(c.node, {"forward": ByteExpr(), "backward": ByteExpr()})
+            entry[side] = entry[side] + c.flops
+    return {node: e for node, e in out.items() if any(x != ByteExpr() for x in e.values())}
 
 
 def _dtype(c: OpCostRecord) -> torch.dtype:

@@ -125,3 +125,13 @@ def test_node_costs_by_hand() -> None:
     # 2.039e12 B/s = 9.6 FLOP/B): the node is compute-bound on the fp32 CUDA cores.
     assert linear.intensity == pytest.approx(2 * 2 * 64 * 2**20 / (8 * 2**20 + 768 * 2**10 + 4))
     assert linear.bound.value == "compute"
+
+
+def test_json_nodes_carry_their_flops_as_polynomials() -> None:
+    # Two Linears, 64 -> 32 -> 8: forward 2*64*32 = 4096 and 2*32*8 = 512 FLOPs per sample. Backward:
+    # the first computes only its weight gradient (4096*B; its input needs none), the second its weight
+    # and input gradients (2 * 512*B).
+    report = analyze_on_meta(lambda: nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8)), ["B,64"], optimizer="sgd")
+    nodes = {n["name"]: n["flops"] for n in report.to_dict()["nodes"]}
+    assert nodes["_0"]["forward"] == {"per_sample": 4096, "constant": 0} and nodes["_0"]["backward"]["per_sample"] == 4096
+    assert nodes["_1"]["forward"]["per_sample"] == 512 and nodes["_1"]["backward"]["per_sample"] == 1024
