@@ -82,6 +82,7 @@ def analyze(
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}))
     specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
+    bn_threshold = _check_threshold(bn_threshold)
     _check_model_args(model, leaf_types)
     seq = _seq_len(specs, seq_len)
     say = progress or _silent
@@ -99,7 +100,7 @@ def analyze(
         device_memory = setup.device.memory_bytes
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
-        bn_layers=batchnorm_layers(model), bn_threshold=_check_threshold(bn_threshold),
+        bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold,
     )  # fmt: skip
 
 
@@ -108,8 +109,9 @@ def _state(
 ) -> tuple[StateBytes, PerGpuState, DeviceModel | None]:
     """The model state under the recipe, one GPU's share of it, and (cuda) how that GPU holds the step.
 
-    The step is simulated with the model's own dtypes; the device model scales its state to the recipe
-    and the sharding stage (Note [Per-GPU state in the replay] in fxmem/device.py).
+    The step is simulated with the model's own dtypes, or the recipe's weight dtype where that is
+    low-precision; the device model scales its state to the recipe and the sharding stage (Note
+    [Per-GPU state in the replay] in fxmem/device.py).
     """
     count = lambda precision, dtype: state_bytes(
         model, optimizer=opt, param_dtype=dtype, precision=precision, optimizer_impl=impl, target=setup.target
