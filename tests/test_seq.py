@@ -73,3 +73,13 @@ def test_hugging_face_gpt2_with_a_symbolic_sequence(tmp_path: object) -> None:
             m = fxmem.measure(real, inputs, batch, loss="auto", frontend="export", seq_len=seq)
             assert report.activation_bytes(batch) == m.total
             assert {k: v for k, v in report.node_bytes(batch).items() if v} == m.nodes
+
+
+@pytest.mark.parametrize("amp", [None, "bf16"])
+def test_on_the_gpu_attention_keeps_no_s_squared_term(meta_gpt: torch.nn.Module, amp: str | None) -> None:
+    # The same GPT for an H100: fp32 takes the memory-efficient kernel, bf16 autocast flash (head dim
+    # a multiple of 8, no mask, dropout allowed); both keep q, k, v, the output and a log-sum-exp, and
+    # dropout inside them keeps only a seed. Nothing is S x S: the B*S^2 term is gone.
+    report = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=16, target="cuda", amp=amp)
+    assert not [term for term in report.activations.seq_terms if term[1] >= 2]
+    assert "S^2" not in report.activations.polynomial()
