@@ -260,6 +260,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
 
 
 def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    _check_measurable(args)
     if args.peak:
         return _measure_peak(args, say)
     spec = _load(args, say)
@@ -300,12 +301,22 @@ def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer
     return spec, report
 
 
-def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
-    if args.world_size != 1 or args.shard != "none" or args.precision:
+def _check_measurable(args: argparse.Namespace) -> None:
+    """A real run is one forward (or with --peak one step) on one device in the model's own dtypes: the
+    setup options it cannot honour are refused rather than silently left out of both sides."""
+    flags = {"--world-size": args.world_size != 1, "--shard": args.shard != "none", "--precision": bool(args.precision)}
+    if not args.peak:
+        flags |= {"--amp": args.amp is not None, "--optimizer-impl": args.optimizer_impl is not None, "--overhead": bool(args.overhead)}
+    given = [name for name, on in flags.items() if on]
+    if given:
+        what = "measure --peak runs one real step" if args.peak else "measure runs one real forward on the CPU"
+        keep = " (--amp and --optimizer-impl do apply)" if args.peak else " (with --peak, --amp and --optimizer-impl apply)"
         raise InputSpecError(
-            "measure --peak runs one real step on one device with the model's own dtypes: --world-size, --shard and "
-            "--precision apply to 'fxmem analyze' only; drop them here (--amp and --optimizer-impl do apply)."
+            f"{what} on one device with the model's own dtypes: {', '.join(given)} apply to 'fxmem analyze' only; drop them here{keep}."
         )
+
+
+def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     opt = get_optimizer(args.optimizer).name
     spec, report = _step_report(args, say, opt)
     predicted = report.peak(args.batch, first_step=args.first_step)

@@ -52,8 +52,6 @@ _HOST_SCALAR_OP = "aten.lift_fresh"
 """How a non-fused optimizer makes its ``step`` counters and scalar operands: ``torch.tensor(...)``,
 which a CUDA run leaves on the host. In the optimizer step only scalars are made this way."""
 
-_SCALED = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
-
 
 @dataclass(frozen=True)
 class DeviceModel:
@@ -126,5 +124,5 @@ def _events(events: tuple[MemoryEvent, ...], batch: int, seq: int | None, model:
 
 
 def _scaled(category: Category, nbytes: int, model: DeviceModel) -> int:
-    factor = model.scale.get(category, Fraction(1)) if category in _SCALED else Fraction(1)
+    factor = model.scale.get(category, Fraction(1))
     return nbytes if factor == 1 else -(-nbytes * factor.numerator // factor.denominator)

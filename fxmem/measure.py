@@ -46,6 +46,7 @@ from fxmem.results import Phase
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.state import get_optimizer
 from fxmem.tracing import trace_model
+from fxmem.training import amp_dtype
 
 __all__ = ["Measurement", "PeakMeasurement", "materialize", "measure", "measure_peak"]
 
@@ -215,6 +216,7 @@ def measure_peak(
     """
     check_batch(batch)
     specs, loss_fn, rule = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
+    autocast = _autocast(torch.device(device).type, amp)
     torch.manual_seed(seed)
     real = materialize(model).train().to(device)
     tensors = [make_tensor(s, batch, seq_len).to(device) for s in specs]
@@ -227,7 +229,6 @@ def measure_peak(
         opt = _optimizer(real, rule, first_step, optimizer_impl)
     held = [*real.parameters(), *real.buffers(), *tensors, *([target] if target is not None else [])]
     held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.device == tensors[0].device]
-    autocast = _autocast(torch.device(device).type, amp)
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
     if torch.device(device).type == "cuda":
         with _real_run(model, batch, "CUDA"):
@@ -266,9 +267,9 @@ def _cuda_peak(step: Callable[[Around], None]) -> tuple[int, Phase]:
 
 def _autocast(device_type: str, amp: str | None) -> Callable[[], contextlib.AbstractContextManager[object]]:
     """The context the real forward and loss run in: autocast in ``amp``'s dtype, or nothing."""
-    if amp is None:
+    dtype = amp_dtype(amp)
+    if dtype is None:
         return contextlib.nullcontext
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     return lambda: torch.autocast(device_type, dtype=dtype)
 
 

@@ -126,7 +126,8 @@ class StepPeaks:
         first = self._first(batch)
         return first if first_step else steady_step(first)
 
-    def _symbolic(self) -> Timeline | None:
+    def symbolic_timeline(self) -> Timeline | None:
+        """The first step's timeline with B symbolic, made on first use; None where only concrete ones are exact."""
         if self.make_symbolic is not None:
             make, self.make_symbolic = self.make_symbolic, None
             self.symbolic, note = make()
@@ -141,7 +142,7 @@ class StepPeaks:
         try:
             self.exact[1] = make()
         except CaptureError as e:
-            if self._symbolic() is None:
+            if self.symbolic_timeline() is None:
                 raise
             self.batch_one_error = str(e)
 
@@ -150,7 +151,7 @@ class StepPeaks:
             self._batch_one()
         if batch in self.exact:
             return self.exact[batch]
-        symbolic = self._symbolic() if batch >= 2 or self.batch_one_error else None
+        symbolic = self.symbolic_timeline() if batch >= 2 or self.batch_one_error else None
         if symbolic is not None:
             return symbolic
         if self.simulate is None:
@@ -198,7 +199,7 @@ class StepPeaks:
 
     def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
         """The peak's pieces for B >= 2 where the symbolic timeline is linear in B; else ()."""
-        symbolic = self._symbolic()
+        symbolic = self.symbolic_timeline()
         if symbolic is None:
             return ()
         pts = self._points_for(2, first_step) if 2 not in self.exact else points(symbolic if first_step else steady_step(symbolic))

@@ -17,23 +17,23 @@ from tabulate import tabulate
 from fxmem.inputs import dtype_name, format_dims
 from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Report, Timeline
 from fxmem.symbolic import ByteExpr
-from fxmem.tradeoff import flop_exprs, memory_bound_nodes, node_costs, node_flop_exprs
+from fxmem.tradeoff import flop_exprs, memory_bound, node_costs, node_flop_exprs
 
 __all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "render_timeline", "to_dict"]
 
 FORMATS = ("table", "markdown", "csv", "json")
 TOP_LEVEL = "(top level)"
-NOT_INCLUDED = (
+_TOTAL_AND_PEAK = (
     "Total = model state + saved activations + the input batch. Peak = the highest point of a whole "
-    "training step (forward, loss, backward, optimizer step), temporaries included, as the CPU allocator "
-    "sees it; not included: allocator rounding and caching, and memory outside tensors (CUDA context, "
-    "library workspaces)."
+    "training step (forward, loss, backward, optimizer step), temporaries included, "
 )
-ON_GPU = (
-    "Total = model state + saved activations + the input batch. Peak = the highest point of a whole "
-    "training step (forward, loss, backward, optimizer step), temporaries included, in exact tensor bytes; "
-    "the GPU lines replay it through the CUDA caching allocator (max_memory_allocated, reserved) and add "
-    "the fixed costs outside tensors; the device verdict uses that nvidia-smi total."
+NOT_INCLUDED = _TOTAL_AND_PEAK + (
+    "as the CPU allocator sees it; not included: allocator rounding and caching, and memory outside tensors "
+    "(CUDA context, library workspaces)."
+)
+ON_GPU = _TOTAL_AND_PEAK + (
+    "in exact tensor bytes; the GPU lines replay it through the CUDA caching allocator (max_memory_allocated, "
+    "reserved) and add the fixed costs outside tensors; the device verdict uses that nvidia-smi total."
 )
 NO_PEAK = "The step was not simulated (peak=False): the batch that fits is judged on the total, without temporaries."
 
@@ -229,7 +229,7 @@ def _compute_lines(report: Report, b: int, at: str) -> list[list[str]]:
     names = ", ".join(op.removeprefix("aten.") for op, _ in f.missing[:4]) + (", ..." if len(f.missing) > 4 else "")
     missing = f"; {len(f.missing)} kinds of op have no FLOP formula and count for bytes only ({names})" if f.missing else ""
     gpu = report.gpu
-    bound = memory_bound_nodes(report.timeline(b), b, gpu, report.seq_len, top=3)
+    bound = memory_bound(node_costs(report.timeline(b), b, gpu, report.seq_len), top=3)
     slow = ", ".join(n.fqn or n.node for n in bound)
     share = sum(p.seconds for p in t.phases if p.phase == Phase.OPTIMIZER)
     return [
@@ -297,7 +297,7 @@ def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
 def _per_gpu_lines(report: Report) -> list[list[str]]:
     """One GPU's share of the state, where a recipe or sharding makes it differ from one copy of everything."""
     setup, share = report.setup, report.per_gpu
-    if setup is None or share is None or (setup.world_size == 1 and setup.shard == "none"):
+    if setup is None or share is None or not setup.distributed:
         return []
     head = [f"State per GPU ({setup.world_size} x {setup.shard})", format_bytes(share.total), "of the model state above, on each GPU"]
     return [head, *([f"· {name}", format_bytes(line.nbytes), line.why] for name, line in share.lines() if line.nbytes)]
@@ -356,7 +356,7 @@ def _expr_dict(e: ByteExpr) -> dict[str, Any]:
 def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
     """The JSON view: bytes are integers; per_sample and constant are the exact a and c."""
     b, s = report.batch, report.state
-    symbolic = report.steps._symbolic() if report.steps is not None else None
+    symbolic = report.steps.symbolic_timeline() if report.steps is not None else None
     flops = node_flop_exprs(symbolic) if symbolic is not None else {}
     out: dict[str, Any] = {
         "model": report.model,
@@ -419,22 +419,22 @@ def _compute_dict(report: Report) -> dict[str, Any]:
     """``flops`` (per phase, {per_sample, constant} and the figure at the report's batch), ``roofline``
     (the lower bound at the report's batch) and ``tradeoff`` (one row per batch size)."""
     b = report.batch
-    symbolic = report.steps._symbolic()
+    symbolic = report.steps.symbolic_timeline()
     exprs = flop_exprs(symbolic) if symbolic is not None else None
     f, t = report.flops(b), report.step_time(b)
     flops: dict[str, Any] = {}
     for phase, at_b in (("forward", f.forward), ("backward", f.backward), ("optimizer", f.optimizer)):
         flops[phase] = {**(_expr_dict(exprs[phase]) if exprs is not None else {}), "at_batch": at_b}
     flops["without_formula"] = dict(f.missing)
-    bound = memory_bound_nodes(report.timeline(b), b, report.gpu, report.seq_len)
+    nodes = node_costs(report.timeline(b), b, report.gpu, report.seq_len)
     roofline = {
         "gpu": report.gpu.name, "batch": b, "seconds": t.seconds, "samples_per_second": t.samples_per_second(b),
         "peak_share": t.peak_share, "dtype": _dtype_label(t.dtype), "is_lower_bound": True,
         "phases": {p.phase.value: {"seconds": p.seconds, "flops": p.flops, "bytes": p.moved_bytes} for p in t.phases},
-        "memory_bound_nodes": [n.node for n in bound],
+        "memory_bound_nodes": [n.node for n in memory_bound(nodes)],
         "nodes": [
             {"node": n.node, "layer": n.fqn, "flops": n.flops, "bytes_moved": n.moved_bytes, "intensity": n.intensity if n.moved_bytes else None, "seconds": n.seconds, "bound": n.bound.value}
-            for n in node_costs(report.timeline(b), b, report.gpu, report.seq_len)
+            for n in nodes
         ],
     }  # fmt: skip
     tradeoff = [r.__dict__ for r in report.tradeoff()] if report.device_memory is not None else None

@@ -28,7 +28,7 @@ from fxmem.errors import InputSpecError
 from fxmem.precision import get_recipe
 from fxmem.results import StateBytes
 
-__all__ = ["STAGES", "PerGpuState", "ShardLine", "shard_state", "units_of"]
+__all__ = ["STAGES", "PerGpuState", "ShardLine", "check_plan", "shard_state", "units_of"]
 
 STAGES = ("none", "zero1", "zero2", "zero3", "fsdp")
 
@@ -88,7 +88,7 @@ def shard_state(state: StateBytes, *, world_size: int, stage: str, units: Sequen
     ``units`` are (name, parameter count) of what zero3/fsdp gather at a time (see ``units_of``); without
     them the gathered parameters are left out, and the line says so.
     """
-    _check(world_size, stage)
+    check_plan(world_size, stage)
     level = STAGES.index(stage) if stage != "fsdp" else STAGES.index("zero3")
     split = lambda nbytes, at: _split(nbytes, world_size) if level >= at and world_size > 1 else nbytes
     who = "FSDP FULL_SHARD" if stage == "fsdp" else f"ZeRO stage {level}"
@@ -104,7 +104,8 @@ def shard_state(state: StateBytes, *, world_size: int, stage: str, units: Sequen
     )
 
 
-def _check(world_size: int, stage: str) -> None:
+def check_plan(world_size: object, stage: str) -> None:
+    """A world size and stage the sharding model knows; anything else is an InputSpecError."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise InputSpecError(f"world_size must be a whole number of GPUs, 1 or more; got {world_size!r}.")
     if stage not in STAGES:
@@ -158,7 +159,7 @@ def units_of(model: nn.Module, stage: str = "fsdp") -> list[tuple[str, int]]:
     >>> units_of(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
     [('0', 20), ('2', 10)]
     """
-    _check(1, stage)
+    check_plan(1, stage)
     if stage == "zero3":
         return _module_units(model)
     return _block_units(model)

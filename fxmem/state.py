@@ -22,10 +22,9 @@ from fxmem.precision import PrecisionRecipe, get_recipe
 from fxmem.results import StateBytes
 from fxmem.rules import Registry
 from fxmem.rules.optimizers import OPTIMIZERS, OptimizerRule
+from fxmem.training import TARGETS
 
 __all__ = ["TARGETS", "get_optimizer", "state_bytes"]
-
-TARGETS = ("cpu", "cuda")
 
 
 def get_optimizer(name: str, rules: Registry[str, OptimizerRule] = OPTIMIZERS) -> OptimizerRule:

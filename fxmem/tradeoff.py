@@ -47,7 +47,7 @@ __all__ = [
     "batchnorm_layers",
     "flop_count",
     "flop_exprs",
-    "memory_bound_nodes",
+    "memory_bound",
     "node_costs",
     "node_flop_exprs",
     "step_estimate",
@@ -161,10 +161,10 @@ def node_costs(timeline: Timeline, batch: int, gpu: GpuSpec, seq: int | None = N
     return tuple(NodeCost(node, fqn, int(f), int(b), s, m) for (node, fqn), (f, b, s, m) in total.items())
 
 
-def memory_bound_nodes(timeline: Timeline, batch: int, gpu: GpuSpec, seq: int | None = None, top: int = 5) -> tuple[NodeCost, ...]:
-    """The nodes that spend most estimated time bound by memory bandwidth at ``batch``, largest first."""
-    nodes = [n for n in node_costs(timeline, batch, gpu, seq) if n.memory_bound_seconds > 0]
-    return tuple(sorted(nodes, key=lambda n: n.memory_bound_seconds, reverse=True)[:top])
+def memory_bound(nodes: Iterable[NodeCost], top: int = 5) -> tuple[NodeCost, ...]:
+    """Of ``node_costs``, the ``top`` nodes that spend most estimated time bound by memory bandwidth."""
+    bound = [n for n in nodes if n.memory_bound_seconds > 0]
+    return tuple(sorted(bound, key=lambda n: n.memory_bound_seconds, reverse=True)[:top])
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxmem.errors import InputSpecError
+from fxmem.rules.optimizers import IMPLS
+from fxmem.sharding import STAGES as SHARDS
+from fxmem.sharding import check_plan
 
 if TYPE_CHECKING:
     from fxmem.gpus import GpuSpec
 
-__all__ = ["AMP_DTYPES", "DEFAULT_GPU", "SHARDS", "TARGETS", "TrainingSetup"]
+__all__ = ["AMP_DTYPES", "DEFAULT_GPU", "IMPLS", "SHARDS", "TARGETS", "TrainingSetup", "amp_dtype"]
 
 TARGETS = ("cuda", "cpu")
 DEFAULT_GPU = "h100-80gb"
 """The GPU a cuda-target prediction is for when none is named."""
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
-IMPLS = ("foreach", "fused", "for-loop")
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,10 @@ class TrainingSetup:
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
-        if self.amp is not None:
-            _check_choice("amp", self.amp, tuple(AMP_DTYPES))
-        _check_choice("shard", self.shard, SHARDS)
+        amp_dtype(self.amp)
+        check_plan(self.world_size, self.shard)
         if self.optimizer_impl is not None:
             _check_choice("optimizer_impl", self.optimizer_impl, IMPLS)
-        if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
-            raise InputSpecError(f"world_size must be a whole number of GPUs, 1 or more; got {self.world_size!r}.")
         if self.shard != "none" and self.target != "cuda":
             raise InputSpecError(f"--shard {self.shard} shards state across GPUs: use it with --target cuda.")
         if self.target == "cuda":
@@ -68,6 +66,11 @@ class TrainingSetup:
         return self.target == "cuda"
 
     @property
+    def distributed(self) -> bool:
+        """Whether the state is divided among GPUs (more than one, or a sharding stage named)."""
+        return self.world_size > 1 or self.shard != "none"
+
+    @property
     def device(self) -> GpuSpec:
         """The GPU of a cuda target."""
         from fxmem.gpus import get_gpu
@@ -76,7 +79,7 @@ class TrainingSetup:
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
-        return AMP_DTYPES[self.amp] if self.amp is not None else None
+        return amp_dtype(self.amp)
 
     @property
     def state_dtype(self) -> torch.dtype | None:
@@ -110,11 +113,19 @@ class TrainingSetup:
         """One line for the report's header."""
         where = "cpu" if not self.cuda else f"cuda: {self.device.label}"
         parts = [where, f"precision {self.recipe}" + (f" (autocast {self.amp})" if self.amp else "")]
-        if self.world_size > 1 or self.shard != "none":
+        if self.distributed:
             parts.append(f"{self.world_size} GPU{'s' if self.world_size > 1 else ''}, shard {self.shard}")
         if self.optimizer_impl:
             parts.append(f"optimizer {self.optimizer_impl}")
         return ", ".join(parts)
+
+
+def amp_dtype(amp: str | None) -> torch.dtype | None:
+    """The autocast dtype of ``--amp`` ("bf16", "fp16"; None: no autocast); anything else is an InputSpecError."""
+    if amp is None:
+        return None
+    _check_choice("amp", amp, tuple(AMP_DTYPES))
+    return AMP_DTYPES[amp]
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -17,9 +17,10 @@ import torch
 
 from fxmem import cli
 from fxmem.api import analyze
-from fxmem.errors import CaptureError, FxmemError
+from fxmem.errors import CaptureError, FxmemError, InputSpecError
 from fxmem.inputs import InputSpec, parse_inputs
 from fxmem.load import load_leaf_types, load_model
+from fxmem.measure import measure_peak
 
 ROOT = Path(__file__).resolve().parent.parent
 M = "tests/models_for_errors.py"
@@ -267,3 +268,13 @@ def test_a_real_run_that_fails_is_one_paragraph(capsys: pytest.CaptureFixture[st
 def test_measure_peak_with_a_shape_the_model_rejects_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
     line = error_line(capsys, "measure", f"{M}:linear_8_4", "--input", "B,7", "--peak")
     assert line.startswith("fxmem: error:") and "Traceback" not in line
+
+
+def test_plain_measure_refuses_setup_options_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    line = error_line(capsys, "measure", "zoo:wide-mlp:test", "--amp", "bf16")
+    assert "--amp apply to 'fxmem analyze' only" in line and "with --peak" in line
+
+
+def test_measure_peak_checks_amp_before_running_anything() -> None:
+    with pytest.raises(InputSpecError, match="unknown amp 'bf17'"):
+        measure_peak(torch.nn.Linear(4, 2), ["B,4"], 2, amp="bf17")
