@@ -16,21 +16,6 @@ OPTIMIZERS = ("sgd", "sgd-momentum", "adamw")
 BATCHES = (1, 4)
 TOLERANCE = 0.01
 
-_PATCH_EMBED = (
-    "ViT's patch embedding (3 input channels, an 8x8 kernel with stride 8 in the test config) takes a oneDNN "
-    "weight-gradient kernel that allocates only a weight copy (24 KiB), where the rule in Note [CPU oneDNN "
-    "convolution buffers] adds an output copy and a reduction buffer (~10 KiB more); other patch sizes take other "
-    "kernels (a 4x4 kernel ~38 KiB, a 16x16 kernel five input copies), so no rule is written from this one shape. "
-    "At the test config's size that is 2.5-3.5% of the step at B=1"
-)
-KNOWN_GAPS: dict[tuple[str, str, int, bool], str] = {
-    ("vit-b16", "sgd", 1, True): _PATCH_EMBED,
-    ("vit-b16", "sgd", 1, False): _PATCH_EMBED,
-    ("vit-b16", "sgd-momentum", 1, False): _PATCH_EMBED,
-}
-"""(model, optimizer, batch, first step) cases outside 1% today, with the reason. They are strict
-expected failures: a fix makes them pass, and the test then fails until the entry is removed."""
-
 
 @pytest.fixture(scope="module", params=[(m, o) for m in ZOO for o in OPTIMIZERS], ids=lambda p: f"{p[0]}-{p[1]}")
 def case(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
@@ -42,11 +27,8 @@ def case(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("first_step", [True, False], ids=["first", "steady"])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_predicted_peak_is_within_one_percent_of_the_profiler(case, batch: int, first_step: bool, request: pytest.FixtureRequest) -> None:  # type: ignore[no-untyped-def]
+def test_predicted_peak_is_within_one_percent_of_the_profiler(case, batch: int, first_step: bool) -> None:  # type: ignore[no-untyped-def]
     name, optimizer, spec, report = case
-    gap = KNOWN_GAPS.get((name, optimizer, batch, first_step))
-    if gap is not None:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
     real = fxmem.load_model(f"zoo:{name}:test", meta=False).model
     measured = measure_peak(real, spec.inputs, batch, loss=spec.loss, optimizer=optimizer, first_step=first_step)
     predicted = report.peak(batch, first_step=first_step)

@@ -8,6 +8,7 @@ buffers]), so those tests skip elsewhere.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -83,14 +84,118 @@ def test_onednn_convolution_workspace_matches_the_profiler(xs: tuple[int, ...], 
 
 
 @onednn_avx512
-def test_onednn_reduction_heuristic_overstates_by_at_most_one_weight_copy() -> None:
-    # Note [CPU oneDNN convolution buffers]: this kernel shares one channel block without the
-    # per-thread reduction copy the rule assumes for it.
-    x, w = torch.randn(4, 12, 16, 16), torch.randn(12, 12, 3, 3)
-    bargs = (torch.randn(4, 12, 16, 16), x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, True, False])
+def test_onednn_forward_matches_the_profiler_over_a_grid() -> None:
+    # 1x1 kernels with stride 2 on 7x7 (the outputs do not tile the input: no gathered input) and on 8x8
+    misses: list[str] = []
+    for c, o, k, s, h in itertools.product((3, 16, 256), (16, 40), (1, 3, 7), (1, 2), (7, 8, 28)):
+        x, w = torch.randn(2, c, h, h), torch.randn(o, c, k, k)
+        args = (x, w, None, [s, s], [k // 2] * 2, [1, 1], False, [0, 0], 1)
+        if not str(torch._C._select_conv_backend(*args)).endswith("Mkldnn"):  # type: ignore[attr-defined]
+            continue
+        top, y = _high_mark(lambda args=args: torch.ops.aten.convolution(*args))
+        if convolution_workspace(args, {}, y) != top - _nbytes(y):
+            misses.append(f"{tuple(x.shape)} {tuple(w.shape)} stride {s}: predicted {convolution_workspace(args, {}, y)}, measured {top - _nbytes(y)}")
+    assert not misses, "\n".join(misses)
+
+
+def _weight_grid() -> list[tuple[tuple[int, ...], tuple[int, ...], int, int]]:
+    """(input shape, weight shape, stride, padding) over oneDNN's weight-gradient kernels (Note [CPU
+    oneDNN convolution buffers]): the direct avx512 one with 1 or 3 input channels (its
+    first-convolution form) and 16 or more (blocked), 2-D and 3-D, outputs up to 9 rows and taller
+    (split over rows too), at batches where balance() splits the batch over the threads and where it
+    does not; the AVX2 one; GEMM; the 1x1 one."""
+    grid = [
+        ((b, c, h, h), (o, c, k, k), s, 0)
+        for c, o, k, s, b, h in itertools.product((1, 3), (16, 48), (4, 8), (2, 0), (1, 2, 3), (32,))
+    ]
+    grid = [(x, w, s or w[2], p) for x, w, s, p in grid]
+    grid += [
+        ((b, c, h, h), (o, c, 3, 3), s, 1)
+        for c, o, s, b, h in itertools.product((16, 32), (16, 64), (1, 2), (1, 2, 4), (8, 14, 28))
+    ]
+    grid += [((b, c, h, h, h), (o, c, 3, 3, 3), s, 1) for c, o, s, b, h in itertools.product((16, 32), (16, 48), (1, 2), (1, 3), (4, 8))]
+    # the AVX2 kernel (4..15 input channels), with and without its reducer's split
+    grid += [((b, c, 16, 16), (o, c, 3, 3), s, 1) for c, o, s, b in itertools.product((4, 12), (8, 24), (1, 2), (1, 2, 8))]
+    # GEMM: kernels wider than 14 (a ViT patch embedding) and 3-D kernels with 4..15 input channels
+    grid += [((b, 3, h, h), (32, 3, 16, 16), 16, 0) for b, h in itertools.product((1, 2, 4), (32, 64))]
+    grid += [((b, c, 8, 8, 8), (o, c, 3, 3, 3), s, 1) for c, o, s, b in itertools.product((4, 8), (4, 32), (1, 2), (1, 2))]
+    # 1x1: stride 1, strides its gather (rtus) takes away, and strides it cannot (the direct kernel)
+    grid += [((b, c, h, h), (o, c, 1, 1), s, 0) for c, o, s, b, h in itertools.product((16, 256), (40, 128), (1, 2), (2, 4), (7, 8, 28))]
+    grid += [((b, c, 8, 8, 8), (o, c, 1, 1, 1), s, 0) for c, o, s, b in itertools.product((8, 16), (20,), (1, 2), (2, 4))]
+    return grid
+
+
+@onednn_avx512
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_onednn_weight_gradient_matches_the_profiler_over_a_grid(bias: bool) -> None:
+    # with a bias, ideep sums its gradient in a buffer of its own and the kernels add a padded bias
+    # and a bias reducer over the batch (Note [CPU oneDNN convolution buffers])
+    misses: list[str] = []
+    checked = 0
+    for xs, ws, stride, pad in _weight_grid():
+        dim = len(xs) - 2
+        x, w = torch.randn(*xs), torch.randn(*ws)
+        fwd = (x, w, None, [stride] * dim, [pad] * dim, [1] * dim, False, [0] * dim, 1)
+        if not str(torch._C._select_conv_backend(*fwd)).endswith("Mkldnn"):  # type: ignore[attr-defined]
+            continue  # batch 1 with small inputs can go to ATen's own kernel
+        g = torch.randn_like(torch.ops.aten.convolution(*fwd))
+        bargs = (g, x, w, [ws[0]] if bias else None, [stride] * dim, [pad] * dim, [1] * dim, False, [0] * dim, 1, [False, True, bias])
+        top, grads = _high_mark(lambda bargs=bargs: torch.ops.aten.convolution_backward(*bargs))
+        predicted, measured = convolution_backward_workspace(bargs, {}, grads), top - _nbytes(grads)
+        checked += 1
+        if predicted != measured:
+            misses.append(f"{xs} {ws} stride {stride}: predicted {predicted}, measured {measured}")
+    assert checked >= 140, "too few shapes reached oneDNN to test its kernels"
+    assert not misses, "\n".join(misses)
+
+
+@onednn_avx512
+def test_onednn_backward_copies_a_non_contiguous_grad_output() -> None:
+    # a patch embedding's gradient arriving as a view (ViT at B=1): ATen makes it contiguous first
+    x, w = torch.randn(1, 3, 32, 32), torch.randn(32, 3, 8, 8)
+    g = torch.randn(1, 4, 4, 32).permute(0, 3, 1, 2)
+    assert not g.is_contiguous()
+    bargs = (g, x, w, [32], [8, 8], [0, 0], [1, 1], False, [0, 0], 1, [False, True, True])
+    top, grads = _high_mark(lambda: torch.ops.aten.convolution_backward(*bargs))
+    assert convolution_backward_workspace(bargs, {}, grads) == top - _nbytes(grads)
+
+
+def _strided_grid() -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """(input shape, weight shape, padding), stride 2: the strided input-gradient kernel's scratchpad
+    grows with cout and the output (Note [CPU oneDNN convolution buffers]); odd widths add a row buffer."""
+    grid = [((2, c, h, h), (o, c, k, k), k // 2) for c, o, k, h in itertools.product((4, 16, 64), (16, 64, 256), (1, 3, 7), (8, 15, 28))]
+    return grid + [((2, c, h, h, h), (o, c, 3, 3, 3), 1) for c, o, h in itertools.product((16, 32), (16, 64), (4, 7, 8))]
+
+
+@onednn_avx512
+def test_onednn_strided_input_gradient_matches_the_profiler_over_a_grid() -> None:
+    misses: list[str] = []
+    for xs, ws, pad in _strided_grid():
+        dim = len(xs) - 2
+        x, w = torch.randn(*xs), torch.randn(*ws)
+        fwd = (x, w, None, [2] * dim, [pad] * dim, [1] * dim, False, [0] * dim, 1)
+        assert str(torch._C._select_conv_backend(*fwd)).endswith("Mkldnn")  # type: ignore[attr-defined]
+        g = torch.randn_like(torch.ops.aten.convolution(*fwd))
+        bargs = (g, x, w, None, [2] * dim, [pad] * dim, [1] * dim, False, [0] * dim, 1, [True, False, False])
+        top, grads = _high_mark(lambda bargs=bargs: torch.ops.aten.convolution_backward(*bargs))
+        predicted, measured = convolution_backward_workspace(bargs, {}, grads), top - _nbytes(grads)
+        if predicted != measured:
+            misses.append(f"{xs} {ws}: predicted {predicted}, measured {measured}")
+    assert not misses, "\n".join(misses)
+
+
+@onednn_avx512
+def test_onednn_strided_input_gradient_bounds_an_odd_number_of_channel_blocks() -> None:
+    # 40 channels are three 16-channel blocks: oneDNN weighs a 16- against a 32-channel block by an
+    # efficiency estimate the rule does not port, and the rule takes 32, so the weight copy it counts
+    # has 64 input channels. Here oneDNN takes 16 (a copy with 48): the rule is over by
+    # K * cout * (64 - 48) * 4 bytes, and never under.
+    x, w = torch.randn(2, 40, 8, 8), torch.randn(256, 40, 7, 7)
+    g = torch.randn_like(torch.ops.aten.convolution(x, w, None, [2, 2], [3, 3], [1, 1], False, [0, 0], 1))
+    bargs = (g, x, w, None, [2, 2], [3, 3], [1, 1], False, [0, 0], 1, [True, False, False])
     top, grads = _high_mark(lambda: torch.ops.aten.convolution_backward(*bargs))
     over = convolution_backward_workspace(bargs, {}, grads) - (top - _nbytes(grads))
-    assert 0 <= over <= 8384 + 16 * 16 * 9 * 4
+    assert over == 49 * 256 * (64 - 48) * 4
 
 
 LSTMS = [

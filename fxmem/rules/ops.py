@@ -8,12 +8,13 @@ the device whose kernel is modelled. Each returns ``{output index: true nbytes}`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fxmem.rules import Registry
+from fxmem.rules.onednn_conv import ConvShape, backward_marks, forward_marks, highest, onednn_convolution
 from fxmem.rules.onednn_rnn import PAGE_SIZE, get_good_ld, lstm_workspace_bytes
 
 __all__ = ["OP_RULES", "WORKSPACE_RULES", "op_rules_for", "register_op_rule", "register_workspace_rule", "workspace_rules_for"]
@@ -157,165 +158,30 @@ def _slow_backend(inp: Any, weight: Any, stride: Any, padding: Any, dilation: An
     return name if name in _SLOW_CONV else ""
 
 
-# Note [CPU oneDNN convolution buffers]
-#     Where ATen picks oneDNN (the Mkldnn backend) for a plain-layout (NCHW / NCDHW) convolution, ideep
-#     reorders its operands into the blocked layouts the chosen oneDNN kernel wants, runs it, and
-#     reorders the result back; every reordered copy and the kernel's scratchpad are c10 allocations
-#     freed inside the op. What follows is this machine's oneDNN (v3.12, torch 2.13) on an AVX512 CPU
-#     (``torch.backends.cpu.get_cpu_capability() == "AVX512"``: 16-channel blocks, ``aBcd16b``), read
-#     off ONEDNN_VERBOSE's kernel names and layouts and the profiler's allocations, f32. ``p16(c)`` is c
-#     rounded up to 16, ``x16`` / ``y16`` the input / output with channels so padded, ``K`` the kernel
-#     volume, ``nthr`` torch's intra-op threads.
-#     * Forward: with fewer than 16 input channels and a kernel larger than 1 the input stays plain
-#       ("first convolution" kernel; weights ``Acdb16a``, K * p16(cout) * cin); otherwise the input is
-#       reordered to x16 and the weights to K * p16(cout) * p16(cin). The output is made as y16 and
-#       reordered into the returned plain tensor. A 2-D 1x1 kernel with stride > 1 also gathers the
-#       strided input per thread (``rtus``): (nthr * p16(cin) * output pixels + 32) elements.
-#       The high mark is max(input copy + weights + y16 (+ rtus), y16 + output).
-#     * Backward, input gradient, stride 1: grad_output to y16, weights to K * p16(cin) * p16(cout),
-#       the gradient made as x16 and reordered into the plain result (max(y16 + w + x16, x16 + x)).
-#       Stride > 1 takes ``brgconv_strided`` in channels-last: grad_output copied (y bytes), weights
-#       K * cout * p16(cin), the result (x bytes) and a scratchpad (61488 bytes in 2-D; in 3-D it varies
-#       with the kernel, 94256..151584 seen: 151584 is used, an estimate), then two x-sized copies.
-#     * Backward, weight gradient (after the input gradient, which is alive by then):
-#       - fewer than 4 input channels, kernel > 1: the first-convolution kernel, input plain,
-#         grad_output to y16, gradient K * p16(cout) * cin, scratchpad 8384 + that gradient;
-#       - 2-D, kernel > 1, at most 8 channels in and out: an AVX2 kernel with 8-channel blocks
-#         (x8, y8, gradient w8, scratchpad 12288 + w8);
-#       - 3-D, kernel > 1, fewer than 16 input channels: the GEMM kernel on plain layouts, gradient w,
-#         scratchpad nthr * cin * K * (output H * W) elements (its im2col, one output depth plane per
-#         thread) + 8 * w + 256 bytes;
-#       - otherwise the AVX512 blocked kernel: x16, y16, gradient K * p16(cin) * p16(cout), plus the
-#         2-D rtus buffer above, plus a per-thread reduction copy (8384 + gradient) where the channel
-#         blocks are too few to share among the threads (p16(cin)/16 * p16(cout)/16 <= nthr; 64 bytes less for 1x1 stride 1). That
-#         last test is a heuristic (oneDNN's balance() also weighs the spatial work): a 2-D 12->12 3x3
-#         kernel was seen without it, so there the rule overstates by ~10 KB.
-#       The gradient is then reordered into the returned weight gradient.
-#     Checked against the profiler for 2-D and 3-D, kernels 1, 2, 3 and 7, strides 1 and 2, 1 to 128
-#     channels, batch 1 to 8 (tests/test_workspaces.py). Other ISAs, dtypes, groups and transposed
-#     convolutions get no rule (their kernels and layouts differ); channels-last inputs skip the reorders
-#     (no rule either: the figures above would overstate).
-
-_DNNL_SCRATCH_2D_STRIDED = 61488
-_DNNL_SCRATCH_3D_STRIDED = 151584
-_DNNL_REDUCTION = 8384
-_DNNL_AVX2 = 12288
-
-
-def _p(c: int, block: int = 16) -> int:
-    return -(-c // block) * block
-
-
-def _onednn_convolution(inp: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int) -> bool:
-    """Whether the rules of Note [CPU oneDNN convolution buffers] describe this convolution."""
-    if transposed or groups != 1 or inp.dim() not in (4, 5) or inp.dtype != torch.float32:
-        return False
-    if torch.backends.cpu.get_cpu_capability() != "AVX512" or not inp.is_contiguous():
-        return False
-    backend = torch._C._select_conv_backend(inp, weight, None, stride, padding, dilation, transposed, output_padding, groups)
-    return str(backend).rpartition(".")[2] == "Mkldnn"
-
-
-def _rtus(inp: Any, weight: Any, stride: Sequence[Any], out_spatial: Sequence[Any]) -> Any:
-    """The 2-D 1x1 strided kernel's per-thread gathered input (Note [CPU oneDNN convolution buffers])."""
-    if inp.dim() != 4 or any(k != 1 for k in weight.shape[2:]) or all(s == 1 for s in stride):
-        return 0
-    return (torch.get_num_threads() * _p(weight.shape[1]) * math.prod(out_spatial) + 32) * inp.element_size()
-
-
-def _highest(batch: Any, marks: Callable[[int], Sequence[int]]) -> Any:
-    """The largest of some byte counts, each linear in the batch: ``marks(b)`` lists them at batch b.
-
-    A timeline's bytes must be polynomials in B, and the largest of several lines is not one. So
-    where the batch is symbolic this returns the line largest at B = 2 (where the symbolic timeline
-    starts) if it is also largest for large B, and so everywhere from 2 up. Where the lead changes
-    hands, no polynomial is exact; it returns the line largest at B = 8 (the batch ShapeEnv assumes),
-    which errs on the batches where another line leads, by the gap between the two lines there
-    (ResNet-50's test configuration at B=4: its layer-3 downsampling backward, 8 KB under of 2.8 MB)."""
-    if not isinstance(batch, torch.SymInt):
-        return max(marks(int(batch)))
-    fixed, at_one, at_two, at_eight, at_large = marks(0), marks(1), marks(2), marks(8), marks(2**20)
-    lead = max(range(len(fixed)), key=lambda i: (at_two[i], at_large[i]))
-    if at_large[lead] != max(at_large):
-        lead = max(range(len(fixed)), key=lambda i: (at_eight[i], at_large[i]))
-    return (at_one[lead] - fixed[lead]) * batch + fixed[lead]
-
-
 @register_workspace_rule(("aten.convolution", "cpu"))
 def convolution_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """Slow: the columns buffer (Note [CPU slow convolution columns]); oneDNN: its reorders
-    (Note [CPU oneDNN convolution buffers])."""
+    (Note [CPU oneDNN convolution buffers] in onednn_conv.py)."""
     inp, weight, _bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
-    if _onednn_convolution(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
-        cin, cout, e = weight.shape[1], weight.shape[0], inp.element_size()
-        ks, s_in, s_out = math.prod(weight.shape[2:]), math.prod(inp.shape[2:]), math.prod(out.shape[2:])
-        first = cin < 16 and ks > 1
-        w_copy = ks * _p(cout) * (cin if first else _p(cin)) * e
-        rtus = _rtus(inp, weight, stride, out.shape[2:])
-
-        def marks(batch: int) -> list[int]:
-            x_copy = 0 if first else batch * _p(cin) * s_in * e
-            y16, y = batch * _p(cout) * s_out * e, batch * cout * s_out * e
-            return [x_copy + w_copy + y16 + rtus - y, y16]
-
-        return _highest(inp.shape[0], marks)
+    if onednn_convolution(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
+        conv = ConvShape.of(inp, weight, stride, padding, dilation, out.shape[2:])
+        return highest(inp.shape[0], forward_marks(conv, torch.get_num_threads()))
     if not _slow_backend(inp, weight, stride, padding, dilation, transposed, output_padding, groups) or _pointwise(weight, stride, padding):
         return 0
     return _slow_conv_columns(inp, weight, out.shape[2:])
 
 
-def _onednn_backward(grad_output: Any, inp: Any, weight: Any, stride: Sequence[Any], mask: Sequence[bool]) -> Any:
-    """The high mark of a oneDNN convolution backward above its outputs (Note [CPU oneDNN convolution buffers])."""
-    cin, cout, e = weight.shape[1], weight.shape[0], inp.element_size()
-    ks, s_in, s_out = math.prod(weight.shape[2:]), math.prod(inp.shape[2:]), math.prod(grad_output.shape[2:])
-    nthr, dim, plane = torch.get_num_threads(), inp.dim(), math.prod(grad_output.shape[3:])
-    w, w16 = ks * cin * cout * e, ks * _p(cin) * _p(cout) * e
-    rtus = _rtus(inp, weight, stride, grad_output.shape[2:])
-    strided = any(s != 1 for s in stride)
-    return _highest(inp.shape[0], lambda batch: _onednn_backward_marks(batch, cin, cout, e, ks, s_in, s_out, nthr, dim, plane, w, w16, rtus, strided, mask))
-
-
-def _onednn_backward_marks(
-    batch: int, cin: int, cout: int, e: int, ks: int, s_in: int, s_out: int, nthr: int, dim: int, plane: int,
-    w: int, w16: int, rtus: int, strided: bool, mask: Sequence[bool],
-) -> list[int]:
-    x, y = batch * cin * s_in * e, batch * cout * s_out * e
-    x16, y16 = batch * _p(cin) * s_in * e, batch * _p(cout) * s_out * e
-    grad_input = x if mask[0] else 0
-    final = grad_input + (w if mask[1] else 0)
-    marks: list[Any] = [final]
-    if mask[0]:
-        if strided:
-            scratch = _DNNL_SCRATCH_2D_STRIDED if dim == 4 else _DNNL_SCRATCH_3D_STRIDED
-            marks += [y + ks * cout * _p(cin) * e + x + scratch, 3 * x]
-        else:
-            marks += [y16 + w16 + x16, x16 + x]
-    if mask[1]:
-        if ks > 1 and cin < 4:
-            w_int = ks * _p(cout) * cin * e
-            work = y16 + w_int + _DNNL_REDUCTION + w_int
-        elif ks > 1 and dim == 4 and cin <= 8 and cout <= 8:
-            w_int = ks * _p(cin, 8) * _p(cout, 8) * e
-            work = batch * 8 * (s_in + s_out) * e + w_int + _DNNL_AVX2 + w_int
-        elif ks > 1 and dim == 5 and cin < 16:
-            w_int = w
-            work = w + nthr * cin * ks * plane * e + 8 * w + 256
-        else:
-            w_int = w16
-            shared = (_p(cin) // 16) * (_p(cout) // 16) <= nthr
-            reduction = _DNNL_REDUCTION - (64 if ks == 1 and not strided else 0) + w16
-            work = x16 + y16 + w16 + rtus + (reduction if shared else 0)
-        marks += [grad_input + work, grad_input + w_int + w]
-    return [m - final for m in marks]
-
-
 @register_workspace_rule(("aten.convolution_backward", "cpu"))
 def convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """Slow: the columns buffer (Note [CPU slow convolution columns]); oneDNN: its reorders and
-    scratchpads (Note [CPU oneDNN convolution buffers])."""
+    scratchpads (Note [CPU oneDNN convolution buffers] in onednn_conv.py)."""
     grad_output, inp, weight, _bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args[:11]
-    if _onednn_convolution(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
-        return _onednn_backward(grad_output, inp, weight, stride, mask) if (mask[0] or mask[1]) else 0
+    if onednn_convolution(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
+        if not any(mask):
+            return 0
+        conv = ConvShape.of(inp, weight, stride, padding, dilation, grad_output.shape[2:])
+        copy = 0 if grad_output.is_contiguous() else grad_output.numel() * grad_output.element_size()
+        return highest(inp.shape[0], backward_marks(conv, torch.get_num_threads(), mask)) + copy
     backend = _slow_backend(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
     if not backend or not (mask[0] or mask[1]):
         return 0
@@ -338,6 +204,10 @@ def convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any
 #     (tests/test_workspaces.py).
 
 _RNN_SCRATCH_FIXED = 12856
+
+
+def _p(c: int, block: int = 16) -> int:
+    return -(-c // block) * block
 
 
 def _lstm_weight_gradient(rows: int, gates_ld: int, gates: int, e: int) -> int:
