@@ -152,7 +152,7 @@ class StepPeaks:
         if batch in self.exact:
             return self.exact[batch]
         symbolic = self.symbolic_timeline() if batch >= 2 or self.batch_one_error else None
-        if symbolic is not None:
+        if symbolic is not None and (self.simulate is None or symbolic.exact_at(batch)):
             return symbolic
         if self.simulate is None:
             raise ValueError(f"no timeline covers B={batch}")

@@ -38,6 +38,7 @@ __all__ = [
     "Timeline",
     "Unsupported",
     "Verdict",
+    "WorkspaceLines",
 ]
 
 
@@ -127,6 +128,15 @@ class OpCostRecord:
 
 
 @dataclass(frozen=True)
+class WorkspaceLines:
+    """A kernel workspace that is the largest of ``lines`` (bytes in B) at every B >= 2 where
+    ``exact_at(B)``; elsewhere another kernel runs (Note [Kernel choices that change with the batch])."""
+
+    lines: tuple[object, ...]
+    exact_at: Callable[[int], bool] = lambda batch: True
+
+
+@dataclass(frozen=True)
 class Timeline:
     """Every allocation and release of one training step, in order, on top of what lives before it.
 
@@ -143,6 +153,13 @@ class Timeline:
     """The baseline storage by storage, in the order they were made (an allocator replays them first)."""
     costs: tuple[OpCostRecord, ...] = ()
     """Every op's FLOPs and bytes moved, in order (views and metadata queries left out)."""
+    checks: tuple[Callable[[int], bool], ...] = ()
+    """For a symbolic timeline, whether its bytes are the step's at a batch, one per kernel whose
+    buffers depend on the batch otherwise than by a line (Note [Kernel choices that change with the
+    batch] in fxmem/timeline.py); where one says no, a concrete timeline serves that batch."""
+
+    def exact_at(self, batch: int) -> bool:
+        return all(check(batch) for check in self.checks)
 
 
 @dataclass(frozen=True)

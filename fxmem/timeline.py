@@ -53,14 +53,30 @@ from fxmem.errors import CaptureError, FxmemError
 from fxmem.flops import OpCost, is_view_like, op_cost
 from fxmem.inputs import InputSpec, dtype_name
 from fxmem.losses import Loss
-from fxmem.results import Category, MemoryEvent, OpCostRecord, Phase, Timeline
+from fxmem.results import Category, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceLines
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
 
 __all__ = ["WorkspaceRule", "simulate_step", "steady_step"]
 
 WorkspaceRule = Callable[[Sequence[Any], Mapping[str, Any], Any], object]
-"""A kernel-workspace rule: an aten op's (args, kwargs, output) to the bytes it allocates and frees inside."""
+"""A kernel-workspace rule: an aten op's (args, kwargs, output) to the bytes it allocates and frees
+inside, or, with a symbolic batch, ``WorkspaceLines`` (Note [Kernel choices that change with the batch])."""
+
+
+# Note [Kernel choices that change with the batch]
+#     A timeline's bytes are polynomials in B. A kernel's buffers need not be: the largest of
+#     several lines (a copy that leads at small B, another at large B), or a buffer that exists only
+#     at some batches (oneDNN splits a batch over its threads, with a reduction buffer, only where
+#     its cost model says so). A workspace rule then returns ``WorkspaceLines``: the lines of the
+#     kernel that runs at large B, each of which becomes its own transient, so that the step's peak,
+#     the largest point over the step, takes the largest of them at every B; and a check of whether
+#     those lines are the kernel's bytes at a given B (another kernel may run there). The symbolic
+#     timeline keeps the checks (``Timeline.checks``); a batch that one of them fails is simulated on
+#     its own when asked (stage 7, fxmem/peak.py), so every figure at a batch is exact, and only the
+#     envelope over all B (``max_batch``'s search aside) follows the lines.
+
+
 
 _LABEL = "fxmem"
 """Key of the (node, module path) label fxmem puts in each autograd node's ``metadata``."""
@@ -103,6 +119,8 @@ class _Tracker(TorchDispatchMode):
     """Parameter name per storage of a parameter, its gradient and its state: the optimizer's attribution."""
     costs: list[tuple[Phase, str, str, str, str, OpCost]] = field(default_factory=list)
     """(phase, node, fqn, op, dtype, cost) of every op that computes or moves bytes."""
+    checks: list[Callable[[int], bool]] = field(default_factory=list)
+    """Whether each workspace rule's lines are its bytes at a batch (Note [Kernel choices that change with the batch])."""
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -139,9 +157,12 @@ class _Tracker(TorchDispatchMode):
         if cost is not None and not is_view_like(func):
             self.costs.append((self.phase, node, fqn, op, _compute_dtype(args), cost))
         workspace = self.workspaces.get(op)
-        nbytes = workspace(args, kwargs, out) if workspace is not None else 0
-        if not (isinstance(nbytes, int) and nbytes == 0):
-            self._transient(nbytes, node, fqn, f"{op} (workspace)")
+        found = workspace(args, kwargs, out) if workspace is not None else 0
+        if isinstance(found, WorkspaceLines):
+            self.checks.append(found.exact_at)
+        for nbytes in found.lines if isinstance(found, WorkspaceLines) else (found,):
+            if not (isinstance(nbytes, int) and nbytes == 0):
+                self._transient(nbytes, node, fqn, f"{op} (workspace)")
         return out
 
     def _transient(self, nbytes: object, node: str, fqn: str, op: str) -> None:
@@ -408,7 +429,7 @@ def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int 
         OpCostRecord(phase, node, fqn, op, dtype, convert(c.flops), convert(c.read_bytes), convert(c.written_bytes), c.has_formula)
         for phase, node, fqn, op, dtype, c in tracker.costs
     )
-    return Timeline(batch, True, baseline, events, storages, costs)
+    return Timeline(batch, True, baseline, events, storages, costs, tuple(tracker.checks))
 
 
 @dataclass

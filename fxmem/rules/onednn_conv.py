@@ -8,6 +8,7 @@ ops.py's workspace rules can charge them; see Note [CPU oneDNN convolution buffe
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from collections.abc import Callable, Sequence
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from fxmem.results import WorkspaceLines
 
 __all__ = ["ConvShape", "backward_marks", "forward_marks", "highest", "onednn_convolution"]
 
@@ -92,6 +95,8 @@ _MIN_OH_REDUCE = 9
 """oneDNN's ``min_oh_reduce``: a 2-D output taller than this is split over its rows as well as the batch."""
 _MAX_KW = 14
 """The widest kernel the direct avx512 weight-gradient kernel takes (wider ones go to GEMM)."""
+_LARGE = 2**20
+"""A batch large enough that oneDNN's choices have settled (the symbolic timeline's lines are its)."""
 
 
 def _p(c: int, block: int = 16) -> int:
@@ -157,32 +162,32 @@ def onednn_convolution(inp: Any, weight: Any, stride: Any, padding: Any, dilatio
     return str(backend).rpartition(".")[2] == "Mkldnn"
 
 
-def highest(batch: Any, marks: Callable[[int, int], Sequence[int]]) -> Any:
-    """The largest of some byte counts, each linear in the batch: ``marks(b, r)`` lists them at batch
-    b for the kernel oneDNN picks at batch r (its thread split depends on the batch).
+def highest(batch: Any, marks: Callable[[int, int], Sequence[int]], plus: Any = 0) -> Any:
+    """The largest of some byte counts, each linear in the batch, plus ``plus``: ``marks(b, r)``
+    lists them at batch b for the kernels oneDNN picks at batch r (a thread split depends on the batch).
 
-    A timeline's bytes must be polynomials in B, and the largest of several lines is not one, nor is a
-    buffer that exists at some batches only. So where the batch is symbolic this returns the line
-    largest at B = 2 (where the symbolic timeline starts) if the same kernel runs and the same line
-    leads for large B, and so everywhere from 2 up. Otherwise no polynomial is exact; it returns the
-    line largest at B = 8 (the batch ShapeEnv assumes), with B = 8's kernel, which errs on the batches
-    where another line leads or another split runs, by the gap between them there (ResNet-50's test
-    configuration: the backward of its layer-3 strided convolutions, up to 70 KB under at B = 2..4,
-    none of them at the step's peak)."""
+    A concrete batch gets its number. A symbolic one gets the lines of the kernels large batches
+    pick that are the largest somewhere from B = 2 up, and a check of whether they are the bytes at
+    a given batch, where other kernels may run (Note [Kernel choices that change with the batch] in
+    fxmem/timeline.py)."""
     if not isinstance(batch, torch.SymInt):
-        return max(marks(int(batch), int(batch)))
+        return max(marks(int(batch), int(batch))) + plus
+    large = marks(1, _LARGE)
+    envelope = _upper_envelope([(one - zero, zero) for zero, one in zip(marks(0, _LARGE), large)])
+    lines = tuple(slope * batch + fixed + plus for slope, fixed in envelope if (slope, fixed + plus) != (0, 0))
+    return WorkspaceLines(lines, lambda b: max(marks(b, b)) == max(a * b + c for a, c in envelope))
 
-    def lines(r: int) -> list[tuple[int, int]]:
-        return [(one - zero, zero) for zero, one in zip(marks(0, r), marks(1, r))]
 
-    def lead(r: int, ls: list[tuple[int, int]]) -> int:
-        return max(range(len(ls)), key=lambda i: (ls[i][0] * r + ls[i][1], ls[i][0]))
-
-    small, large = lines(2), lines(2**20)
-    ref = 2 if small == large and lead(2, small) == lead(2**20, large) else 8
-    chosen = lines(ref)
-    slope, fixed = chosen[lead(ref, chosen)]
-    return slope * batch + fixed
+def _upper_envelope(lines: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The lines (slope, intercept) that are the largest at some integer B >= 2, in order of slope:
+    the largest at B = 2, at a large batch, and on either side of every crossing in between."""
+    where = {2, _LARGE}
+    for (a1, c1), (a2, c2) in itertools.combinations(lines, 2):
+        if a1 != a2:
+            x = (c2 - c1) / (a1 - a2)
+            where |= {b for b in (math.floor(x), math.ceil(x)) if 2 <= b <= _LARGE}
+    top = {max(lines, key=lambda line: (line[0] * b + line[1], line[0])) for b in where}
+    return sorted(top)
 
 
 def _rtus(conv: ConvShape, nthr: int) -> int:

@@ -181,7 +181,7 @@ def convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any
             return 0
         conv = ConvShape.of(inp, weight, stride, padding, dilation, grad_output.shape[2:])
         copy = 0 if grad_output.is_contiguous() else grad_output.numel() * grad_output.element_size()
-        return highest(inp.shape[0], backward_marks(conv, torch.get_num_threads(), mask)) + copy
+        return highest(inp.shape[0], backward_marks(conv, torch.get_num_threads(), mask), plus=copy)
     backend = _slow_backend(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
     if not backend or not (mask[0] or mask[1]):
         return 0
