@@ -93,11 +93,10 @@ def choose_sdp_backend(
     >>> str(choose_sdp_backend(q, q, q, attn_mask=None, dropout_p=0.0, is_causal=True, enable_gqa=False, capability=(9, 0)))
     'flash'
     """
-    dense = _dense_ok(query, key, value, enable_gqa)
-    if dense and _can_use_flash(query, key, value, attn_mask, dropout_p, is_causal, capability):
+    if _dense_ok(query, key, value, enable_gqa) and _can_use_flash(query, key, value, attn_mask, dropout_p, is_causal, capability):
         return SdpBackend.FLASH
-    if dense and _can_use_efficient(query, key, value, capability):
-        return SdpBackend.EFFICIENT
+    if _dense_ok(query, key, value, False) and _can_use_efficient(query, key, value, capability):
+        return SdpBackend.EFFICIENT  # efficient checks heads with supports_gqa=false: equal heads, enable_gqa or not
     return SdpBackend.MATH
 
 
@@ -105,15 +104,19 @@ def _known(condition: Any) -> bool:
     return bool(statically_known_true(condition))
 
 
-def _dense_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> bool:
-    """check_tensor_shapes (4-D), check_batch_size_and_num_heads_dense (GQA where asked, as flash and
-    efficient both support it on CUDA) and check_nonzero_sequence_lengths_dense."""
+def _dense_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
+    """check_tensor_shapes (4-D), check_batch_size_and_num_heads_dense and check_nonzero_sequence_lengths_dense.
+
+    ``gqa`` is ``enable_gqa and supports_gqa``: flash instantiates the heads check with GQA support, so
+    32 query heads over 8 key heads pass where GQA is asked for; efficient instantiates it without, so
+    it demands equal heads even then, and a GQA call that misses flash falls to math, which repeats k and v.
+    """
     if not q.dim() == k.dim() == v.dim() == 4:
         return False
     if not (_known(q.shape[0] == k.shape[0]) and _known(q.shape[0] == v.shape[0])):
         return False
     hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
-    heads = _known(hk == hv) and _known(hq % hk == 0) if enable_gqa else _known(hq == hk) and _known(hq == hv)
+    heads = _known(hk == hv) and _known(hq % hk == 0) if gqa else _known(hq == hk) and _known(hq == hv)
     return heads and all(_known(t.shape[2] > 0) for t in (q, k, v))
 
 

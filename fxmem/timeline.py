@@ -13,8 +13,14 @@ Note [How the timeline sees memory]
     A dispatch mode below autograd sees every aten op of the step: the forward's, the backward's
     (autograd runs CPU graphs on the calling thread, and dispatch modes follow it) and the
     optimizer's. After each op it notes the storages the op returned that it has not seen: an
-    allocation. Before each op it notes the storages that have died since: a release
-    (``StorageWeakRef.expired()``). Nothing is kept alive that the step would not keep itself, so
+    allocation. Before each op it notes the storages that have died since: a release. Asking every
+    live storage ``StorageWeakRef.expired()`` before every op costs ops x live storages (28 million
+    checks for Llama-3.1-8B's step); instead each storage's Python object carries a weakref whose
+    callback files a death notice, and the poll before the next op turns the notices into releases
+    in allocation order, as the full scan did. That needs torch to keep a storage's Python object
+    alive exactly as long as the storage (it does: storages preserve their PyObject like tensors);
+    ``_storage_deaths_are_seen`` checks it once, and where it fails the tracker scans as before.
+    Nothing is kept alive that the step would not keep itself, so
     releases fall where they fall in a real run: the fx Interpreter drops each value after its last
     use, autograd frees saved tensors as backward consumes them, ``zero_grad`` drops the gradients.
     Parameters, buffers and inputs exist before the step and are never released by it, so they form
@@ -35,6 +41,9 @@ Note [Steady step from first step]
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
@@ -121,9 +130,15 @@ class _Tracker(TorchDispatchMode):
     """(phase, node, fqn, op, dtype, cost) of every op that computes or moves bytes."""
     checks: list[Callable[[int], bool]] = field(default_factory=list)
     """Whether each workspace rule's lines are its bytes at a batch (Note [Kernel choices that change with the batch])."""
+    watchers: dict[StorageWeakRef, weakref.ref[Any]] = field(default_factory=dict)
+    """A weakref per live storage whose callback files its death in ``deaths``."""
+    deaths: list[StorageWeakRef] = field(default_factory=list)
+    scanned: set[StorageWeakRef] = field(default_factory=set)
+    """Live storages no weakref watches: asked ``expired()`` at every poll."""
 
     def __post_init__(self) -> None:
         super().__init__()
+        self._watch = _storage_deaths_are_seen()
 
     def adopt(self, t: torch.Tensor, category: Category) -> None:
         """Register a storage that exists before the step and outlives it (weights, inputs)."""
@@ -134,10 +149,27 @@ class _Tracker(TorchDispatchMode):
         return entry.number if entry is not None else None
 
     def poll(self) -> None:
-        """Record the release of every storage that has died since the last poll."""
-        dead = [key for key in self.live if key.expired()]
-        for key in dead:
+        """Record the release of every storage that has died since the last poll, oldest first."""
+        dead = [key for key in self.scanned if key.expired()]
+        if self.deaths:
+            dead += self.deaths
+            self.deaths = []
+        if not dead:
+            return
+        for key in sorted(dead, key=lambda k: self.live[k].number):
             self.raw.append(_Raw(False, self.live.pop(key), self.phase))
+            self.watchers.pop(key, None)
+            self.scanned.discard(key)
+
+    def _watch_death(self, key: StorageWeakRef, storage: torch.UntypedStorage) -> None:
+        if self._watch:
+            with contextlib.suppress(TypeError):
+                self.watchers[key] = weakref.ref(storage, functools.partial(self._died, key))
+                return
+        self.scanned.add(key)
+
+    def _died(self, key: StorageWeakRef, _: object) -> None:
+        self.deaths.append(key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -178,6 +210,7 @@ class _Tracker(TorchDispatchMode):
         size = t.untyped_storage().nbytes() if nbytes is None else nbytes
         storage = _Storage(len(self.raw), size, node, fqn, op)
         self.live[key] = storage
+        self._watch_death(key, t.untyped_storage())
         self.raw.append(_Raw(True, storage, self.phase))
         if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
             self.names[key] = node
@@ -198,6 +231,21 @@ class _Tracker(TorchDispatchMode):
                     if name is not None:
                         return name, _module_of(name)
         return self.node, self.fqn
+
+
+@functools.cache
+def _storage_deaths_are_seen() -> bool:
+    """Whether a weakref to a storage's Python object dies with the storage, not with that object:
+    dropping the object while a tensor holds the storage must not fire it, dropping the tensor must."""
+    fired: list[bool] = []
+    t = torch.empty(1)
+    ref = weakref.ref(t.untyped_storage(), lambda _: fired.append(True))
+    gc.collect()
+    if fired or ref() is None:
+        return False
+    del t
+    gc.collect()
+    return bool(fired)
 
 
 def _compute_dtype(args: Any) -> str:

@@ -509,9 +509,7 @@ def step_activation(draw, ctx: Ctx, s: State) -> Built | None:
 
 def step_dropout(draw, ctx: Ctx, s: State) -> Built | None:
     p = _pick(draw, [0.1, 0.5, 0.0, 1.0])
-    kinds = ["Dropout", "F.dropout", "AlphaDropout"] + {2: ["Dropout1d"], 3: ["Dropout2d"], 4: ["Dropout3d"]}.get(
-        s.rank, []
-    )
+    kinds = ["Dropout", "F.dropout", "AlphaDropout", *{2: ["Dropout1d"], 3: ["Dropout2d"], 4: ["Dropout3d"]}.get(s.rank, [])]
     kind = _pick(draw, kinds)
     module = {
         "Dropout": lambda: nn.Dropout(p),
@@ -854,7 +852,7 @@ def step_pool(draw, ctx: Ctx, s: State) -> Built | None:
 
 def step_interpolate(draw, ctx: Ctx, s: State) -> Built | None:
     n = s.rank - 1
-    mode = _pick(draw, ["nearest"] + [["linear", "bilinear", "trilinear"][n - 1]])
+    mode = _pick(draw, ["nearest", ["linear", "bilinear", "trilinear"][n - 1]])
     if s.numel * 2**n > MAX_NUMEL:
         return None
     return _probe(Fn(F.interpolate, scale_factor=2, mode=mode), s, f"F.interpolate(x2, {mode})", inplace_ok=True)
@@ -1206,7 +1204,7 @@ def fuzz_cases(draw, feature: str = "free", max_steps: int = MAX_STEPS) -> FuzzC
     _retie(ctx)
     spec = ",".join(map(str, input_dims)) + (":int64" if kind == "tokens" else f":{_dtype_name(dtype)}")
     inputs: list[str] | dict[str, str]
-    if merge:
+    if merge:  # noqa: SIM108 - two ternaries nested in one would hide which draw belongs to which case
         inputs = {"x": spec, "y": spec} if _chance(draw, 50) else [spec, spec]
     else:
         inputs = {"x": spec} if _chance(draw, 20) else [spec]

@@ -252,9 +252,9 @@ def test_measure_peak_refuses_what_one_real_step_cannot_be(capsys: pytest.Captur
 
 def test_analyze_checks_its_arguments() -> None:
     """The library boundary: a non-module and leaf_types that are names, not classes, get clear errors."""
-    with pytest.raises(FxmemError, match="needs an nn.Module, got str"):
+    with pytest.raises(FxmemError, match=r"needs an nn\.Module, got str"):
         analyze("zoo:wide-mlp", ["B,8"])  # type: ignore[arg-type]
-    with pytest.raises(FxmemError, match="leaf_types must hold nn.Module classes, got 'Linear'"):
+    with pytest.raises(FxmemError, match=r"leaf_types must hold nn\.Module classes, got 'Linear'"):
         analyze(torch.nn.Linear(8, 4), ["B,8"], leaf_types=("Linear",))  # type: ignore[arg-type]
 
 

@@ -109,3 +109,24 @@ def test_cpu_autocast_step_matches_the_measured_one() -> None:
     real = fxmem.load_model("zoo:gpt2-small:test", meta=False).model
     measured = fxmem.measure_peak(real, spec.inputs, 4, loss=spec.loss, amp="bf16")
     assert report.peak(4).bytes == measured.bytes
+
+
+def test_death_notices_give_the_timeline_a_full_scan_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tracker learns of released storages from weakref callbacks (Note [How the timeline sees
+    # memory]); where torch would not keep a storage's Python object alive with the storage, it asks
+    # every live storage expired() before every op instead. Both must see the same releases at the same
+    # places, in the same order, at B=1 (simulated on its own) and B=3 (from the symbolic timeline).
+    from fxmem import timeline
+
+    assert timeline._storage_deaths_are_seen(), "this torch should let the tracker use death notices"
+
+    def step() -> tuple[object, ...]:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+        report = fxmem.analyze(model, ["B,3,8,8"], optimizer="adamw", target="cpu", batch=3)
+        timelines = report.timeline(1, first_step=True), report.timeline(3, first_step=True)
+        return tuple((t.batch, t.baseline, t.events) for t in timelines)  # (checks are functions)
+
+    notices = step()
+    monkeypatch.setattr(timeline, "_storage_deaths_are_seen", lambda: False)
+    assert step() == notices

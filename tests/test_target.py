@@ -131,6 +131,10 @@ def test_sdp_backend_choice_on_shapes() -> None:
     gqa = _qkv(torch.bfloat16, 64, heads=(8, 2))
     assert choose(*gqa, enable_gqa=True) == SdpBackend.FLASH  # check_grouped_query_attention
     assert choose(*gqa) == SdpBackend.MATH  # unequal heads without enable_gqa
+    # fp32 misses flash (check_dtypes_flash_attention); mem-efficient checks heads with supports_gqa=false,
+    # so GQA it never takes, enable_gqa or not: math, which repeats k and v per query head.
+    assert choose(*_qkv(torch.float32, 64, heads=(8, 2)), enable_gqa=True) == SdpBackend.MATH
+    assert choose(*_qkv(torch.float32, 64, heads=(8, 8)), enable_gqa=True) == SdpBackend.EFFICIENT
     cross = _qkv(torch.bfloat16, 64, seqs=(16, 32))
     assert choose(*cross, is_causal=True) == SdpBackend.EFFICIENT  # check_flash_causal_non_square_seqlens
     assert choose(*cross) == SdpBackend.FLASH
@@ -190,3 +194,39 @@ def test_multi_head_attention_module_is_seen_inside() -> None:
         mha = nn.MultiheadAttention(16, 2, batch_first=True)
         out, _ = mha(*(torch.empty(2, 5, 16),) * 3, need_weights=False)
         assert out.dtype == torch.bfloat16
+
+
+
+class GroupedQueryAttention(nn.Module):
+    """4 query heads over 2 key/value heads of 16, fp32, causal SDPA with ``enable_gqa``, on (B, 40, 64)."""
+
+    def __init__(self, attend: Callable[..., torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.attend = attend or (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).unflatten(-1, (4, 16)).transpose(1, 2)
+        k, v = (t.unflatten(-1, (2, 16)).transpose(1, 2) for t in self.kv(x).chunk(2, dim=-1))
+        return self.attend(q, k, v).transpose(1, 2).flatten(2)
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The math composite itself (the same code on CPU and CUDA without dropout), called by name."""
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, None, 0.0, True, None, enable_gqa=True)[0]
+
+
+def test_fp32_grouped_query_attention_takes_the_math_path_and_its_step_runs() -> None:
+    # fp32 misses flash and mem-efficient refuses unequal heads, so CUDA runs the math composite. Its saved
+    # bytes are measured for real on the CPU by a twin that calls that composite by name (the CPU's own
+    # SDPA would pick its flash kernel, which takes GQA). The whole step, backward included, must simulate:
+    # sending this call to mem-efficient (as fxmem once did) made its backward return 4-head gradients
+    # for 2-head keys, and the Llama 3 benchmark failed that way.
+    from fxmem.api import analyze
+    from fxmem.measure import measure
+
+    with torch.device("meta"):
+        model = GroupedQueryAttention()
+    report = analyze(model, ["B,40,64"], target="cuda", batch=2)
+    assert report.activations.at(2) == measure(GroupedQueryAttention(_math), ["B,40,64"], batch=2).total
+    assert report.peak(2).bytes > report.activations.at(2)

@@ -15,7 +15,7 @@ from fxmem.errors import LoadError
 
 
 class _Weights:
-    class DEFAULT:  # noqa: N801 - mirrors torchvision's weights enum member
+    class DEFAULT:  # mirrors torchvision's weights enum member
         @staticmethod
         def transforms() -> types.SimpleNamespace:
             return types.SimpleNamespace(crop_size=[96])
@@ -65,7 +65,7 @@ def test_a_library_that_does_not_import_says_what_to_install(monkeypatch: pytest
 def test_real_torchvision_resnet50_where_installed() -> None:
     try:
         import torchvision  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 - a mismatched torchvision fails with RuntimeError or AttributeError, not only ImportError
         pytest.skip("torchvision does not import beside this torch")
     spec = fxmem.load_model("torchvision:resnet50")
     assert list(spec.inputs) == ["B,3,224,224"]
@@ -75,7 +75,7 @@ def test_real_torchvision_resnet50_where_installed() -> None:
 def test_real_timm_vit_where_installed() -> None:
     try:
         import timm  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 - a mismatched timm fails with RuntimeError or AttributeError, not only ImportError
         pytest.skip("timm does not import beside this torch")
     spec = fxmem.load_model("timm:vit_base_patch16_224")
     assert list(spec.inputs) == ["B,3,224,224"]
