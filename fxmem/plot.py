@@ -130,7 +130,7 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "", seq:
     ax.set_xlabel("allocations and releases, in order")
     ax.set_ylabel(unit)
     kind = "first step" if timeline.first_step else "steady step"
-    ax.set_title(f"{title}: one training step at B={b} ({kind})")
+    ax.set_title(f"{title}: one training step at B={b} ({kind})", pad=26)  # room for the phase names
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     return _save(fig, plt, path)
@@ -148,12 +148,18 @@ def _series(timeline: Timeline, batch: int, seq: int | None) -> dict[Category, l
 
 
 def _mark_phases(ax: Any, timeline: Timeline) -> None:
+    """A dotted line where each phase starts, named above the plot (clear of the legend); a name that
+    would run into the one before it (the loss is a few events long) goes up a row."""
     starts: dict[str, int] = {}
     for i, e in enumerate(timeline.events):
         starts.setdefault(e.phase.value, i + 1)
+    crowded = max(len(timeline.events), 1) * 0.08
+    row, last = 0, None
     for name, x in starts.items():
+        row = 1 - row if last is not None and x - last < crowded else 0
+        last = x
         ax.axvline(x, color="0.3", lw=0.8, ls=":")
-        ax.text(x, 1.0, f" {name}", transform=ax.get_xaxis_transform(), fontsize=8, va="top")
+        ax.text(x, 1.01 + 0.05 * row, f" {name}", transform=ax.get_xaxis_transform(), fontsize=8, va="bottom")
 
 
 def _save(fig: Any, plt: Any, path: str | Path) -> Path:
