@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from fxmem.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
 from fxmem.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
+from fxmem.checkpointing import checkpoint_regions
 from fxmem.device import DeviceModel, device_model
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
@@ -100,7 +101,7 @@ def analyze(
         device_memory = setup.device.memory_bytes
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
-        bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold,
+        bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold, checkpointed=len(checkpoint_regions(gm)),
     )  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from fxmem.binding import bind_inputs, fake_like, state_kinds, swapped_state
+from fxmem.checkpointing import Region, RegionInterpreter
 from fxmem.dispatch import OpRule, OpRuleMode
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.inputs import InputSpec, dtype_name, has_seq, make_tensor
@@ -180,8 +181,12 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _Recorder(fx.Interpreter):
-    """An fx Interpreter that installs the saved-tensor hooks around each node it runs."""
+class _Recorder(RegionInterpreter):
+    """An fx Interpreter that installs the saved-tensor hooks around each node it runs.
+
+    Inside a checkpointed region it installs none: the checkpoint's own hooks decide what the region
+    keeps, and the hooks around the checkpoint call see that (See Note [Checkpointed regions]).
+    """
 
     def __init__(self, gm: fx.GraphModule, book: _Book, model_name: str) -> None:
         super().__init__(gm, garbage_collect_values=False)
@@ -189,11 +194,16 @@ class _Recorder(fx.Interpreter):
         self.model_name = model_name
         self.infos: list[NodeInfo] = []
 
-    def run_node(self, n: fx.Node) -> Any:
+    def region_call(self, region: Region) -> AbstractContextManager[object]:
+        self.book.current = region.first.name
+        return torch.autograd.graph.saved_tensors_hooks(self.book.pack, _unpack)
+
+    def run_one(self, n: fx.Node) -> Any:
         self.book.current = n.name
+        hooks = contextlib.nullcontext() if self.checkpointed else torch.autograd.graph.saved_tensors_hooks(self.book.pack, _unpack)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.book.pack, _unpack):
-                out = super().run_node(n)
+            with hooks:
+                out = super().run_one(n)
         except (FxmemError, SymbolicUnsupported, KeyboardInterrupt):
             raise
         except Exception as e:

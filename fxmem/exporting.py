@@ -47,6 +47,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
 
+from fxmem.checkpointing import counting_checkpoints
 from fxmem.errors import TraceError
 from fxmem.hf_paths import eager_code_paths, has_eager_code_paths
 from fxmem.inputs import InputSpec
@@ -64,7 +65,7 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
     try:
-        with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
+        with _muted(), counting_checkpoints() as checkpoints:  # export prints graph dumps on some failures; fxmem never prints from the library
             try:
                 program = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, dims), device)
             except Exception as e:
@@ -74,6 +75,14 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
                 program = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, bounded), device)
     except Exception as e:
         raise _export_error(name, model, e) from e
+    if checkpoints[0]:
+        raise TraceError(
+            f"model '{name}' calls torch.utils.checkpoint ({checkpoints[0]} call{'s' if checkpoints[0] > 1 else ''} while exporting), "
+            "which fxmem models on torch.fx graphs only: torch.export inlines the checkpointed code, so every "
+            "activation the checkpoint would recompute in backward would be counted as kept. Make the model "
+            "traceable by torch.fx (--frontend fx says why it is not), or turn checkpointing off for the "
+            "analysis (for Hugging Face models, model.gradient_checkpointing_disable()) to see the figures without it."
+        )
     gm = program.module()
     _clean(gm)
     return gm

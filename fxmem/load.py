@@ -158,6 +158,9 @@ def _import_file(target: str, label: str) -> ModuleType:
     unique = f"fxmem_user_{abs(hash(str(path.resolve())))}"
     if unique in sys.modules:
         return sys.modules[unique]
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # as `python file.py` does: the file's own folder first, so its sibling modules import
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(unique, path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)

@@ -27,6 +27,7 @@ import contextlib
 import copy
 import os
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -208,7 +209,8 @@ def measure_peak(
 
     The step is ``out = model(batch)``, the loss, ``backward()``, ``optimizer.step()`` and
     ``zero_grad(set_to_none=True)``. A steady step (``first_step=False``) is preceded by one
-    optimizer step outside the measurement, which creates the optimizer state. On the CPU the peak
+    real step outside the measurement, which creates the optimizer state of every parameter that
+    receives a gradient (and of no other: a layer that backward never reaches has none). On the CPU the peak
     comes from torch.profiler (Note [Reading the peak from the profiler]); with ``device="cuda"`` from
     ``torch.cuda.max_memory_allocated``, read per phase. ``amp`` ("bf16"/"fp16") runs the forward and
     the loss under ``torch.autocast`` on ``device``; ``optimizer_impl`` picks the optimizer's
@@ -223,10 +225,13 @@ def measure_peak(
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     name = type(model).__name__
-    with _real_run(model, batch), torch.no_grad():  # the target's shape comes from the output; the data loader made it beforehand
+    with _real_run(model, batch), torch.no_grad(), warnings.catch_warnings():  # the target's shape comes from the output; the data loader made it beforehand
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")  # a reentrant checkpoint's, true of any no_grad forward
         target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
     with _real_run(model, batch):
-        opt = _optimizer(real, rule, first_step, optimizer_impl)
+        opt = _optimizer(real, rule, optimizer_impl)
+        if not first_step:  # one real step beforehand: state for exactly the parameters that get gradients
+            _real_step(real, args, kwargs, loss_fn, target, opt, name, lambda _: contextlib.nullcontext(), autocast)
     held = [*real.parameters(), *real.buffers(), *tensors, *([target] if target is not None else [])]
     held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.device == tensors[0].device]
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
@@ -273,16 +278,9 @@ def _autocast(device_type: str, amp: str | None) -> Callable[[], contextlib.Abst
     return lambda: torch.autocast(device_type, dtype=dtype)
 
 
-def _optimizer(model: nn.Module, rule: OptimizerRule, first_step: bool, impl: str | None = None) -> torch.optim.Optimizer:
+def _optimizer(model: nn.Module, rule: OptimizerRule, impl: str | None = None) -> torch.optim.Optimizer:
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = rule.make(trainable if trainable else [nn.Parameter(torch.zeros(()))], impl)  # a frozen model: an optimizer with nothing to do
-    if not first_step:
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return opt
+    return rule.make(trainable if trainable else [nn.Parameter(torch.zeros(()))], impl)  # a frozen model: an optimizer with nothing to do
 
 
 @contextlib.contextmanager

@@ -147,6 +147,8 @@ def _title(report: Report) -> str:
     inputs = ", ".join(str(s) for s in report.inputs)
     how = "one symbolic pass + B=1" if report.accounting.method == "symbolic" else "concrete passes"
     graph = "torch.fx" if report.frontend == "fx" else "torch.export"
+    if report.checkpointed:
+        graph += f", {report.checkpointed} checkpointed region{'s' if report.checkpointed > 1 else ''}"
     target = f"\ntarget: {report.setup.describe()}" if report.setup is not None else ""
     return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how}){target}"
 
@@ -363,6 +365,7 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
         "loss": report.loss,
         "method": report.accounting.method,
         "frontend": report.frontend,
+        "checkpointed_regions": report.checkpointed,
         "linear_in_batch": report.accounting.linear,
         "inputs": [
             {"name": i.name, "shape": list(i.dims), "dtype": dtype_name(i.dtype), "bytes": _expr_dict(_input_expr(i))} for i in report.inputs

@@ -417,6 +417,8 @@ class Report:
     """Layers that normalize with batch statistics (BatchNorm, SyncBatchNorm), for the batch-norm caveat."""
     bn_threshold: int = 16
     """Per-device batches below this get the batch-norm caveat."""
+    checkpointed: int = 0
+    """How many ``torch.utils.checkpoint`` calls the graph runs as such (Note [Checkpointed regions])."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property

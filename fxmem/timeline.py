@@ -57,6 +57,8 @@ from torch.utils._pytree import tree_leaves
 
 from fxmem.binding import bind_inputs, swapped_state
 from fxmem.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
+from fxmem.checkpointing import SIGNALS as CHECKPOINT_SIGNALS
+from fxmem.checkpointing import Region, RegionInterpreter
 from fxmem.dispatch import OpRule, OpRuleMode
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.flops import OpCost, is_view_like, op_cost
@@ -197,6 +199,11 @@ class _Tracker(TorchDispatchMode):
                 self._transient(nbytes, node, fqn, f"{op} (workspace)")
         return out
 
+    def made_outside(self, t: torch.Tensor, op: str) -> None:
+        """A tensor made without the dispatcher (so no op of this mode saw it), charged as an op's output."""
+        self.poll()
+        self._allocated(t, None, *self._attribution(()), op)
+
     def _transient(self, nbytes: object, node: str, fqn: str, op: str) -> None:
         """A kernel's workspace: allocated and released within the op, alive with its outputs."""
         storage = _Storage(len(self.raw), nbytes, node, fqn, op)
@@ -260,21 +267,38 @@ def _module_of(parameter: str) -> str:
     return parameter.rpartition(".")[0]
 
 
-class _Forward(fx.Interpreter):
-    """Runs the graph freeing each value after its last use, telling the tracker which node runs, and
-    labelling the autograd nodes each fx node creates so that backward's ops are charged to it."""
+_PASS_THROUGH: tuple[type[BaseException], ...] = (FxmemError, SymbolicUnsupported, KeyboardInterrupt, *CHECKPOINT_SIGNALS)
+"""What a node's failure handler re-raises as it is: fxmem's own errors, Ctrl-C, checkpoint's early stop."""
 
-    def __init__(self, gm: fx.GraphModule, tracker: _Tracker, fake: FakeBatch, model: str) -> None:
+
+class _Forward(RegionInterpreter):
+    """Runs the graph freeing each value after its last use, telling the tracker which node runs, and
+    labelling the autograd nodes each fx node creates so that backward's ops are charged to it.
+
+    A checkpointed region runs through the real checkpoint, which backward calls again to recompute
+    it: those ops are charged to the nodes they recompute (See Note [Checkpointed regions])."""
+
+    def __init__(
+        self, gm: fx.GraphModule, tracker: _Tracker, fake: FakeBatch, model: str, kernels: Callable[[], AbstractContextManager[object]]
+    ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.tracker = tracker
         self.fake = fake
         self.model = model
+        self.kernels = kernels
 
-    def run_node(self, n: fx.Node) -> Any:
+    def recompute_context(self) -> AbstractContextManager[object]:
+        return self.kernels()
+
+    def region_call(self, region: Region) -> AbstractContextManager[object]:
+        self.tracker.node, self.tracker.fqn = region.first.name, node_fqn(region.first)
+        return contextlib.nullcontext()
+
+    def run_one(self, n: fx.Node) -> Any:
         self.tracker.node, self.tracker.fqn = n.name, node_fqn(n)
         try:
-            out = super().run_node(n)
-        except (FxmemError, SymbolicUnsupported, KeyboardInterrupt):
+            out = super().run_one(n)
+        except _PASS_THROUGH:
             raise
         except Exception as e:
             symbols = (self.fake.symbols.get("B"), self.fake.symbols.get("S"))
@@ -356,7 +380,7 @@ def simulate_step(
             # OpRuleMode on top only decomposes composite ops as eager CPU does, so that their inner ops
             # reach the tracker below it one by one; the tracker applies the op rules itself, since it
             # must know a storage's true size when it records the allocation.
-            with tracker, OpRuleMode({}, {}):
+            with tracker, OpRuleMode({}, {}), _host_rng_states(tracker):
                 categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels)
     fake.check_symbols()
     return _timeline(tracker, categories, batch, fake)
@@ -383,7 +407,7 @@ def _run_step(
         return t.detach()  # not t itself: an output saved by its own grad_fn would make a reference cycle
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), kernels():
-        out = _Forward(gm, tracker, fake, model).run(*values)
+        out = _Forward(gm, tracker, fake, model, kernels).run(*values)
         tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
         output = loss.select(out, model)
         with _paused(tracker):  # the target is data the caller holds before the step, like the batch
@@ -412,6 +436,28 @@ def _run_step(
         tracker.poll()
     del out, value
     return categories
+
+
+@contextlib.contextmanager
+def _host_rng_states(tracker: _Tracker) -> Iterator[None]:
+    """Let the tracker see the copies ``torch.get_rng_state()`` makes of the CPU generator's state.
+
+    The copy (5,056 B for the Mersenne Twister) is made in C++ without the dispatcher, so no mode sees
+    it, yet it is real memory: ``torch.utils.checkpoint`` keeps one per region from its forward until
+    backward recomputes it, and ``fork_rng`` makes another during the recomputation.
+    """
+    original = torch.get_rng_state
+
+    def get_rng_state() -> torch.Tensor:
+        state = original()
+        tracker.made_outside(state, "torch.get_rng_state")
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
 
 
 def _guarded(fake: FakeBatch, model: str, what: str, run: Callable[[], Any]) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from fxmem.checkpointing import attach_regions, recording_checkpoints
 from fxmem.errors import InputSpecError, TraceError
 from fxmem.exporting import export_model, export_reason
 from fxmem.inputs import InputSpec
@@ -82,10 +83,13 @@ def _fx_trace(model: nn.Module, name: str, leaf_types: Sequence[type]) -> fx.Gra
     if tracer.is_leaf_module(model, ""):
         return _single_node_graph(model)
     try:
-        graph = tracer.trace(model)
+        with recording_checkpoints(tracer) as regions:  # See Note [Checkpointed regions]
+            graph = tracer.trace(model)
     except Exception as e:
         raise _trace_error(name, model, tracer, e) from e
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    attach_regions(gm, regions)
+    return gm
 
 
 def _single_node_graph(model: nn.Module) -> fx.GraphModule:

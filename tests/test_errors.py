@@ -278,3 +278,8 @@ def test_plain_measure_refuses_setup_options_it_would_ignore(capsys: pytest.Capt
 def test_measure_peak_checks_amp_before_running_anything() -> None:
     with pytest.raises(InputSpecError, match="unknown amp 'bf17'"):
         measure_peak(torch.nn.Linear(4, 2), ["B,4"], 2, amp="bf17")
+
+
+def test_export_of_a_checkpointed_model_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    err = error_line(capsys, "analyze", "docs/examples/checkpointed.py:build", "--input", "B,64,256", "--frontend", "export", "--no-peak")
+    assert "calls torch.utils.checkpoint" in err and "--frontend fx" in err and "gradient_checkpointing_disable" in err

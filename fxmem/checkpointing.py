@@ -1,0 +1,306 @@
+"""Activation checkpointing: find ``torch.utils.checkpoint`` calls while tracing, run them for real.
+
+Note [Checkpointed regions]
+    ``torch.fx.symbolic_trace`` runs ``checkpoint(fn, *args)`` like any Python call, so the nodes of
+    ``fn`` land in the graph and the checkpoint is gone: fxmem would count every tensor ``fn`` saves,
+    when a real step keeps only the checkpoint's inputs and recomputes the rest in backward (a 4-block
+    MLP checkpointed per block keeps 2 MiB at B=8, not 18 MiB). So the tracer stands in for the two
+    entry points every checkpoint call goes through (non-reentrant: the generator
+    ``_checkpoint_without_reentrant_generator``; reentrant: ``CheckpointFunction.apply``), whatever
+    name the model imported it under, and notes which nodes each call made, its arguments and its
+    options: a ``Region``. The passes that run the graph (capture, the step's timeline, the real
+    per-node measurement) then call the real ``torch.utils.checkpoint.checkpoint`` over those nodes with
+    the same arguments and options, so torch itself decides what is saved (the inputs, through the
+    outer saved-tensor hooks: what a real step's hooks see) and autograd recomputes the region in
+    backward, which the timeline sees as it happens. Nothing about checkpointing is re-derived.
+
+    A region's nodes run with no saved-tensor hooks of the pass's own: hooks do not nest, and the
+    innermost pair would take the checkpoint's place. Values from outside the region that it reads
+    without receiving them as arguments (a mask in a closure) are held by the region, as the closure
+    holds them in eager. torch.export traces checkpoints into its own higher-order ops; this module
+    covers the fx frontend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+import torch.utils.checkpoint as torch_checkpoint
+from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["SIGNALS", "Region", "RegionInterpreter", "attach_regions", "checkpoint_regions", "counting_checkpoints", "recording_checkpoints"]
+
+_META = "fxmem_checkpoint_regions"
+
+SIGNALS: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(torch_checkpoint, "_StopRecomputationError", None),) if e is not None
+)
+"""Exceptions checkpoint raises through the region's nodes on purpose: early stop of a recomputation
+once it has made every tensor backward needs. Node error handlers must let them pass."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One ``torch.utils.checkpoint`` call seen while tracing (See Note [Checkpointed regions])."""
+
+    nodes: tuple[fx.Node, ...]
+    """The nodes the checkpointed function made, in graph order (nested regions' included)."""
+    args: tuple[Any, ...]
+    """The call's positional arguments: nodes where the model passed traced values, else constants."""
+    kwargs: Mapping[str, Any]
+    options: Mapping[str, Any]
+    """``use_reentrant`` and the options of the call, as ``checkpoint`` takes them."""
+    parent: int | None = None
+
+    @property
+    def first(self) -> fx.Node:
+        return self.nodes[0]
+
+    def outputs(self) -> tuple[fx.Node, ...]:
+        """The region's nodes that nodes outside it use: what the checkpoint must return."""
+        inside = set(self.nodes)
+        return tuple(n for n in self.nodes if any(u not in inside for u in n.users))
+
+    def closure(self) -> tuple[fx.Node, ...]:
+        """Nodes from outside the region that it reads without receiving them as arguments."""
+        inside = set(self.nodes)
+        passed = {a for a in tree_leaves((self.args, dict(self.kwargs))) if isinstance(a, fx.Node)}
+        seen: dict[fx.Node, None] = {}
+        for n in self.nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a not in passed:
+                    seen.setdefault(a)
+        return tuple(seen)
+
+
+@dataclass
+class _Recording:
+    """The regions of one trace, kept open as a stack while their functions are being traced."""
+
+    tracer: fx.Tracer
+    regions: list[Region] = field(default_factory=list)
+    open: list[tuple[int, tuple[Any, ...], dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+
+    def begin(self, args: tuple[Any, ...], kwargs: Mapping[str, Any], options: dict[str, Any]) -> None:
+        as_node = lambda a: a.node if isinstance(a, fx.Proxy) else a
+        self.open.append((len(self.tracer.graph.nodes), map_aggregate(args, as_node), map_aggregate(dict(kwargs), as_node), options))
+
+    def end(self) -> None:
+        start, args, kwargs, options = self.open.pop()
+        nodes = tuple(list(self.tracer.graph.nodes)[start:])
+        if nodes:
+            self.regions.append(Region(nodes, tuple(args), kwargs, options))
+
+
+@contextlib.contextmanager
+def recording_checkpoints(tracer: fx.Tracer) -> Iterator[list[Region]]:
+    """While tracing with ``tracer``, record every checkpoint call as a Region (the list is filled in)."""
+    recording = _Recording(tracer)
+    generator = torch_checkpoint._checkpoint_without_reentrant_generator
+    function = torch_checkpoint.CheckpointFunction
+    signature = inspect.signature(generator)
+
+    def traced_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        named = dict(bound.arguments)
+        named.pop("fn")
+        call_args, call_kwargs = named.pop("args", ()), named.pop("kwargs", {})
+        recording.begin(call_args, call_kwargs, {"use_reentrant": False, **named})
+        yield
+        recording.end()
+
+    class TracedCheckpointFunction:
+        @staticmethod
+        def apply(run: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+            recording.begin(args, {}, {"use_reentrant": True, "preserve_rng_state": preserve_rng_state})
+            out = run(*args)
+            recording.end()
+            return out
+
+    torch_checkpoint._checkpoint_without_reentrant_generator = traced_generator
+    torch_checkpoint.CheckpointFunction = TracedCheckpointFunction  # type: ignore[assignment, misc]
+    try:
+        yield recording.regions
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = generator
+        torch_checkpoint.CheckpointFunction = function  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def counting_checkpoints() -> Iterator[list[int]]:
+    """Count the checkpoint calls made inside (the list's one item), each still run by torch.
+
+    torch.export traces through a checkpoint and keeps no trace of it (Note [Checkpointed regions]);
+    the exporting frontend uses this to refuse such a model rather than count what it recomputes.
+    """
+    count = [0]
+    generator = torch_checkpoint._checkpoint_without_reentrant_generator
+    function = torch_checkpoint.CheckpointFunction
+
+    def counted_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+        count[0] += 1
+        yield from generator(*args, **kwargs)
+
+    class CountedCheckpointFunction:
+        @staticmethod
+        def apply(*args: Any) -> Any:
+            count[0] += 1
+            return function.apply(*args)
+
+    torch_checkpoint._checkpoint_without_reentrant_generator = counted_generator
+    torch_checkpoint.CheckpointFunction = CountedCheckpointFunction  # type: ignore[assignment, misc]
+    try:
+        yield count
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = generator
+        torch_checkpoint.CheckpointFunction = function  # type: ignore[misc]
+
+
+def attach_regions(gm: fx.GraphModule, regions: list[Region]) -> None:
+    """Keep a trace's regions on its GraphModule, nested ones linked to the region around them."""
+    ordered = sorted(regions, key=lambda r: (_position(r.first), -len(r.nodes)))
+    linked: list[Region] = []
+    for region in ordered:
+        parent = next((i for i in reversed(range(len(linked))) if set(region.nodes) <= set(linked[i].nodes)), None)
+        linked.append(Region(region.nodes, region.args, region.kwargs, region.options, parent))
+    if linked:
+        gm.meta[_META] = tuple(linked)
+
+
+def checkpoint_regions(gm: fx.GraphModule) -> tuple[Region, ...]:
+    """The checkpointed regions of a graph traced by fxmem (none for exported graphs)."""
+    return tuple(gm.meta.get(_META, ()))
+
+
+def _position(n: fx.Node) -> int:
+    return next(i for i, m in enumerate(n.graph.nodes) if m is n)
+
+
+class RegionInterpreter(fx.Interpreter):
+    """An fx Interpreter that runs each checkpointed region through ``torch.utils.checkpoint``.
+
+    Subclasses put their per-node work in ``run_one`` and may wrap an outermost region's checkpoint
+    call in ``region_call`` (to see what it saves). ``self.checkpointed`` is how many regions are
+    running: inside one, a pass installs no saved-tensor hooks of its own.
+    """
+
+    def __init__(self, gm: fx.GraphModule, *, garbage_collect_values: bool) -> None:
+        super().__init__(gm, garbage_collect_values=garbage_collect_values)
+        regions = checkpoint_regions(gm)
+        self.checkpointed = 0
+        self._regions = regions
+        self._top: dict[fx.Node, int] = {}
+        for i in reversed(range(len(regions))):  # outer regions last, so they win
+            if regions[i].parent is None:
+                self._top.update(dict.fromkeys(regions[i].nodes, i))
+        self._ready: dict[fx.Node, Any] = {}
+        self._forward = False
+        self._plans: dict[int, list[tuple[fx.Node | int, tuple[fx.Node, ...]]]] = {}
+
+    def run_one(self, n: fx.Node) -> Any:
+        return super().run_node(n)
+
+    def region_call(self, region: Region) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def recompute_context(self) -> contextlib.AbstractContextManager[object]:
+        """What a region recomputed in backward runs inside: what the forward ran inside (the target's
+        kernels), which checkpoint cannot restore since it is none of autocast, RNG or device state."""
+        return contextlib.nullcontext()
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self._forward = True
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self._forward = False
+            self.env = {}  # a region recomputed in backward holds this interpreter, not its values
+
+    def run_node(self, n: fx.Node) -> Any:
+        index = self._top.get(n)
+        if index is None:
+            return self.run_one(n)
+        if n in self._ready:
+            return self._ready.pop(n)
+        region = self._regions[index]
+        if n is not region.first:
+            return None  # a value inside the checkpoint: nobody outside it holds one
+        self._ready.update(self._call(index, self.env.__getitem__))
+        return self._ready.pop(n, None)
+
+    def _call(self, index: int, lookup: Callable[[fx.Node], Any]) -> dict[fx.Node, Any]:
+        """Run region ``index`` through the real checkpoint; its outputs by node."""
+        region = self._regions[index]
+        value = lambda a: lookup(a) if isinstance(a, fx.Node) else a
+        args, kwargs = map_aggregate(region.args, value), map_aggregate(dict(region.kwargs), value)
+        held = {n: lookup(n) for n in region.closure()}
+        outputs = region.outputs()
+
+        def body(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+            env = dict(held)
+            for node, given in zip(tree_leaves((region.args, dict(region.kwargs))), tree_leaves((args, kwargs))):
+                if isinstance(node, fx.Node):
+                    env[node] = given
+            self.checkpointed += 1
+            try:
+                with contextlib.nullcontext() if self._forward else self.recompute_context():
+                    self._run_region(index, env)
+            finally:
+                self.checkpointed -= 1
+            return tuple(env[o] for o in outputs)
+
+        outermost = self.region_call(region) if not self.checkpointed else contextlib.nullcontext()
+        with outermost:  # a nested checkpoint's inputs are saved to the checkpoint around it, not to the pass
+            result = torch_checkpoint.checkpoint(body, *args, **region.options, **kwargs)
+        return dict(zip(outputs, result))
+
+    def _run_region(self, index: int, env: dict[fx.Node, Any]) -> None:
+        """Run a region's steps in ``env``, each value dropped after its last use, as eager drops a
+        local: a region's intermediates are not kept, so holding them would raise the forward's peak."""
+        for step, done in self._steps(index):
+            if isinstance(step, fx.Node):
+                env[step] = self._run_in(step, env)
+            else:
+                env.update(self._call(step, env.__getitem__))
+            if self.garbage_collect_values:
+                for n in done:
+                    env.pop(n, None)
+
+    def _steps(self, index: int) -> list[tuple[fx.Node | int, tuple[fx.Node, ...]]]:
+        """A region's steps (its own nodes, and nested regions as one step each), each with the values
+        last read there; the region's outputs are never dropped."""
+        cached = self._plans.get(index)
+        if cached is not None:
+            return cached
+        region = self._regions[index]
+        owner = {n: i for i, r in enumerate(self._regions) if r.parent == index for n in r.nodes}
+        steps: list[fx.Node | int] = []
+        reads: list[set[fx.Node]] = []
+        for n in region.nodes:
+            child = owner.get(n)
+            if child is None:
+                steps.append(n)
+                reads.append(set(n.all_input_nodes))
+            elif n is self._regions[child].first:
+                inner = self._regions[child]
+                steps.append(child)
+                reads.append({a for a in tree_leaves((inner.args, dict(inner.kwargs))) if isinstance(a, fx.Node)} | set(inner.closure()))
+        last = {n: i for i, read in enumerate(reads) for n in read}
+        keep = set(region.outputs())
+        plan = [(step, tuple(n for n in reads[i] if last[n] == i and n not in keep)) for i, step in enumerate(steps)]
+        self._plans[index] = plan
+        return plan
+
+    def _run_in(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        outer, self.env = self.env, env
+        try:
+            return self.run_one(n)
+        finally:
+            self.env = outer

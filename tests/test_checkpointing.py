@@ -1,0 +1,183 @@
+"""Activation checkpointing (fxmem/checkpointing.py): what a checkpointed step keeps, and its peak.
+
+Each model below checkpoints in one of the ways users write it; each is analyzed on fake tensors and
+compared with a real CPU run of the model itself (eager, no fx): its saved bytes exactly, its step's
+peak within 1% and in the same phase, as tests/test_peak_zoo.py holds the zoo to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+import fxmem
+from fxmem.errors import TraceError
+from fxmem.measure import measure, measure_peak
+from fxmem.results import Phase
+from fxmem.symbolic import ByteExpr
+
+D, T = 32, 8  # width and tokens: every block's input is (B, 8, 32) float32, 1 KiB per sample
+INPUTS = [f"B,{T},{D}"]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.f(x)
+
+
+class PerBlock(nn.Module):
+    """Four blocks, each under its own checkpoint (non-reentrant unless ``reentrant``), then a head."""
+
+    def __init__(self, checkpointed: bool = True, reentrant: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D, D)  # so that the first checkpoint's input requires grad, as reentrant needs
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(D, 10)
+        self.checkpointed, self.reentrant = checkpointed, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.checkpointed else block(x)
+        return self.head(x)
+
+
+class Sequential(nn.Module):
+    """``checkpoint_sequential`` over four blocks in two segments (the last segment runs plainly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*(Block() for _ in range(4)))
+        self.head = nn.Linear(D, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint_sequential(self.body, 2, x, use_reentrant=False))
+
+
+class Nested(nn.Module):
+    """Attention whose MLP is checkpointed inside a checkpointed block that also reads a tensor from
+    its closure and takes a keyword argument; dropout inside (its noise is recomputed, so the
+    checkpoint keeps the CPU generator's state) and after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out, self.norm, self.mlp = nn.Linear(D, 3 * D), nn.Linear(D, D), nn.LayerNorm(D), Block()
+
+    def attend(self, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).unflatten(-1, (3, 4, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+        weights = F.dropout(torch.softmax(q @ k.transpose(-1, -2) * scale, -1), 0.1)
+        y = self.out((weights @ v).transpose(1, 2).flatten(2))
+        return x + checkpoint(self.mlp, y, use_reentrant=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shift = x.mean(-1, keepdim=True)
+        y = checkpoint(lambda t, scale: self.attend(t, scale=scale) + shift, x, use_reentrant=False, scale=0.25)
+        return F.dropout(y, 0.1)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "per-block": PerBlock,
+    "reentrant": lambda: PerBlock(reentrant=True),
+    "sequential": Sequential,
+    "nested": Nested,
+}
+
+
+def _analyze(make: Callable[[], nn.Module]) -> fxmem.Report:
+    with torch.device("meta"):
+        model = make()
+    return fxmem.analyze(model, INPUTS, target="cpu", batch=3)
+
+
+def test_a_checkpoint_keeps_its_inputs_and_nothing_it_computes() -> None:
+    # Checkpointed, each block keeps only its input, 1 KiB per sample (8 x 32 x 4 B): the inputs of the
+    # four blocks (the embedding's output, then three block outputs), plus the head's input (the last
+    # block's output) and the embedding's own input (the batch itself, counted as input, not here).
+    assert _analyze(PerBlock).activations == ByteExpr(per_sample=5 * T * D * 4)
+    # Without checkpoints each block keeps its input, the GELU's input and the second linear's input,
+    # the last two (B, 8, 128): 1 + 4 + 4 KiB per sample; four blocks and the head's 1 KiB: 37 KiB.
+    assert _analyze(lambda: PerBlock(checkpointed=False)).activations == ByteExpr(per_sample=(4 * 9 + 1) * 1024)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_saved_bytes_equal_a_real_run(name: str) -> None:
+    report = _analyze(MODELS[name])
+    for batch in (1, 3):
+        torch.manual_seed(0)
+        assert report.activations.at(batch) == measure(MODELS[name](), INPUTS, batch=batch).total
+
+
+@pytest.mark.parametrize("first_step", [True, False], ids=["first", "steady"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_step_peak_matches_the_profiler(name: str, first_step: bool) -> None:
+    # The peak falls in backward, where the checkpoint recomputes its region: the prediction sees
+    # that recomputation because torch's own checkpoint runs it on the fake tensors.
+    report = _analyze(MODELS[name])
+    for batch in (1, 4):
+        torch.manual_seed(0)
+        measured = measure_peak(MODELS[name](), INPUTS, batch, first_step=first_step)
+        predicted = report.peak(batch, first_step=first_step)
+        error = (predicted.bytes - measured.bytes) / measured.bytes
+        assert abs(error) <= 0.01, f"{name} B={batch}: predicted {predicted.bytes}, measured {measured.bytes} ({error:+.2%})"
+        assert predicted.phase == measured.phase
+
+
+def test_backward_recomputes_the_region() -> None:
+    # GELU's forward op runs again in backward, once per checkpointed block, and only there.
+    events = _analyze(PerBlock).timeline(2, first_step=True).events
+    recomputed = [e for e in events if e.alloc and e.phase == Phase.BACKWARD and e.op == "aten.gelu"]
+    plain = _analyze(lambda: PerBlock(checkpointed=False)).timeline(2, first_step=True).events
+    assert len(recomputed) == 4
+    assert not [e for e in plain if e.alloc and e.phase == Phase.BACKWARD and e.op == "aten.gelu"]
+
+
+def test_the_report_says_how_many_regions_it_ran() -> None:
+    report = _analyze(Nested)
+    assert "2 checkpointed regions" in str(report).splitlines()[0]
+    assert report.to_dict()["checkpointed_regions"] == 2
+
+
+def test_export_refuses_a_checkpoint_it_would_inline() -> None:
+    with torch.device("meta"):
+        model = PerBlock()
+    with pytest.raises(TraceError, match=r"calls torch\.utils\.checkpoint .* turn checkpointing off"):
+        fxmem.analyze(model, INPUTS, target="cpu", frontend="export", peak=False)
+
+
+def test_a_model_file_imports_its_neighbours(tmp_path: Path) -> None:
+    # As `python file.py` would: the file's folder comes first on sys.path, so a sibling module imports.
+    (tmp_path / "blocks_for_fxmem_test.py").write_text("import torch.nn as nn\nWIDTH = 5\n")
+    (tmp_path / "model.py").write_text("import blocks_for_fxmem_test as b\nimport torch.nn as nn\ndef build():\n    return nn.Linear(b.WIDTH, 2)\n")
+    spec = fxmem.load_model(f"{tmp_path / 'model.py'}:build")
+    assert spec.model.in_features == 5
+
+
+@pytest.mark.usefixtures("at_repo_root")
+def test_the_readme_example() -> None:
+    # docs/examples/checkpointed.py: four checkpointed blocks on (B, 64, 256) float32, 64 KiB per sample
+    # per block input. Kept: the inputs of blocks 1-3 and the head's (block 0's is the batch): 256 KiB.
+    spec = fxmem.load_model("docs/examples/checkpointed.py:build")
+    report = fxmem.analyze(spec.model, ["B,64,256"], target="cpu", peak=False)
+    assert report.activations == ByteExpr(per_sample=4 * 64 * 256 * 4)
+
+
+def test_on_the_cuda_target_backward_recomputes_with_cuda_kernels() -> None:
+    # The dropout after the checkpoint keeps CUDA's 1-byte mask, 8 x 32 = 256 B per sample (the CPU keeps
+    # 4-byte noise, 1 KiB). Inside the region the recomputation must run the same kernels as the forward
+    # (native_dropout, not the CPU's): checkpoint compares what both saved and raises CheckpointError if
+    # they differ, which the simulated step would report as a failed backward().
+    with torch.device("meta"):
+        model = Nested()
+    report = fxmem.analyze(model, INPUTS, target="cuda", batch=4)
+    assert report.activations == ByteExpr(per_sample=T * D)
+    assert report.peak(4).phase == Phase.BACKWARD
