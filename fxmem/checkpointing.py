@@ -105,13 +105,16 @@ def recording_checkpoints(tracer: fx.Tracer) -> Iterator[list[Region]]:
     generator = torch_checkpoint._checkpoint_without_reentrant_generator
     function = torch_checkpoint.CheckpointFunction
     signature = inspect.signature(generator)
+    star = {p.kind: name for name, p in signature.parameters.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    function_name = next(iter(signature.parameters))  # the checkpointed function, first in every version
 
     def traced_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         named = dict(bound.arguments)
-        named.pop("fn")
-        call_args, call_kwargs = named.pop("args", ()), named.pop("kwargs", {})
+        named.pop(function_name)
+        call_args = named.pop(star.get(inspect.Parameter.VAR_POSITIONAL, ""), ())
+        call_kwargs = named.pop(star.get(inspect.Parameter.VAR_KEYWORD, ""), {})
         recording.begin(call_args, call_kwargs, {"use_reentrant": False, **named})
         yield
         recording.end()
