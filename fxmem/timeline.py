@@ -123,6 +123,8 @@ class _Tracker(TorchDispatchMode):
     node: str = ""
     fqn: str = ""
     paused: bool = False
+    recomputing: int = 0
+    """How many checkpointed regions backward is recomputing now (Note [Checkpointed regions])."""
     live: dict[StorageWeakRef, _Storage] = field(default_factory=dict)
     permanent: dict[StorageWeakRef, tuple[Category, object]] = field(default_factory=dict)
     raw: list[_Raw] = field(default_factory=list)
@@ -184,9 +186,10 @@ class _Tracker(TorchDispatchMode):
         op = str(func.overloadpacket)
         rule = self.rules.get(op)
         sizes = rule(args, kwargs, out) if rule is not None else {}
+        label = f"{op} (recomputed)" if self.recomputing else op
         for i, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
-                self._allocated(t, sizes.get(i), node, fqn, op)
+                self._allocated(t, sizes.get(i), node, fqn, label)
         cost = op_cost(func, args, kwargs, out)
         if cost is not None and not is_view_like(func):
             self.costs.append((self.phase, node, fqn, op, _compute_dtype(args), cost))
@@ -196,7 +199,7 @@ class _Tracker(TorchDispatchMode):
             self.checks.append(found.exact_at)
         for nbytes in found.lines if isinstance(found, WorkspaceLines) else (found,):
             if not (isinstance(nbytes, int) and nbytes == 0):
-                self._transient(nbytes, node, fqn, f"{op} (workspace)")
+                self._transient(nbytes, node, fqn, f"{label} (workspace)")
         return out
 
     def made_outside(self, t: torch.Tensor, op: str) -> None:
@@ -225,6 +228,8 @@ class _Tracker(TorchDispatchMode):
     def _attribution(self, args: Any) -> tuple[str, str]:
         """(node, module path) an op is charged to: the running fx node in forward and loss, the
         forward node whose gradient autograd is computing in backward, the parameter in the optimizer."""
+        if self.phase == Phase.BACKWARD and self.recomputing:
+            return self.node, self.fqn
         if self.phase == Phase.BACKWARD:
             current = torch._C._current_autograd_node()
             label = _metadata(current).get(_LABEL) if current is not None else None
@@ -287,8 +292,16 @@ class _Forward(RegionInterpreter):
         self.model = model
         self.kernels = kernels
 
-    def recompute_context(self) -> AbstractContextManager[object]:
-        return self.kernels()
+    @contextlib.contextmanager
+    def recompute_context(self) -> Iterator[None]:
+        """Backward recomputing a region: the forward's kernels again, and its ops charged to the nodes
+        they recompute (not to the gradient that asked for them), marked as recomputed."""
+        self.tracker.recomputing += 1
+        try:
+            with self.kernels():
+                yield
+        finally:
+            self.tracker.recomputing -= 1
 
     def region_call(self, region: Region) -> AbstractContextManager[object]:
         self.tracker.node, self.tracker.fqn = region.first.name, node_fqn(region.first)
