@@ -29,12 +29,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["SIGNALS", "Region", "RegionInterpreter", "attach_regions", "checkpoint_regions", "counting_checkpoints", "recording_checkpoints"]
+__all__ = ["SIGNALS", "Region", "RegionInterpreter", "attach_exported_regions", "attach_regions", "checkpoint_regions", "recording_checkpoints", "tagging_checkpoints"]
 
 _META = "fxmem_checkpoint_regions"
 
@@ -105,17 +106,9 @@ def recording_checkpoints(tracer: fx.Tracer) -> Iterator[list[Region]]:
     generator = torch_checkpoint._checkpoint_without_reentrant_generator
     function = torch_checkpoint.CheckpointFunction
     signature = inspect.signature(generator)
-    star = {p.kind: name for name, p in signature.parameters.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    function_name = next(iter(signature.parameters))  # the checkpointed function, first in every version
 
     def traced_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        named = dict(bound.arguments)
-        named.pop(function_name)
-        call_args = named.pop(star.get(inspect.Parameter.VAR_POSITIONAL, ""), ())
-        call_kwargs = named.pop(star.get(inspect.Parameter.VAR_KEYWORD, ""), {})
-        recording.begin(call_args, call_kwargs, {"use_reentrant": False, **named})
+        recording.begin(*_bind(signature, args, kwargs))
         yield
         recording.end()
 
@@ -136,34 +129,119 @@ def recording_checkpoints(tracer: fx.Tracer) -> Iterator[list[Region]]:
         torch_checkpoint.CheckpointFunction = function  # type: ignore[misc]
 
 
-@contextlib.contextmanager
-def counting_checkpoints() -> Iterator[list[int]]:
-    """Count the checkpoint calls made inside (the list's one item), each still run by torch.
+_TAG = "fxmem_checkpoint"
+"""node.meta key on exported graphs: the checkpoint calls (innermost first) whose code made the node."""
 
-    torch.export traces through a checkpoint and keeps no trace of it (Note [Checkpointed regions]);
-    the exporting frontend uses this to refuse such a model rather than count what it recomputes.
+
+@dataclass(frozen=True)
+class _ExportedCall:
+    """What the exporting frontend learns of one non-reentrant checkpoint call while torch.export traces it."""
+
+    options: Mapping[str, Any]
+    args: tuple[str | None, ...]
+    """The names of the graph nodes the call's tensor arguments were (None: not a traced value)."""
+
+
+@contextlib.contextmanager
+def tagging_checkpoints() -> Iterator[_ExportCheckpoints]:
+    """While torch.export traces, tag the nodes each checkpoint call makes, each call still run by torch.
+
+    torch.export traces through a checkpoint like fx does (Note [Checkpointed regions]); the proxy
+    mode's graph is the one being built, and node metadata survives into ``ExportedProgram.module()``,
+    so ``attach_exported_regions`` can rebuild the regions there. A reentrant checkpoint is an
+    autograd.Function whose forward runs under no_grad, which export records as grad-mode nodes that a
+    replay inside a checkpoint cannot take: those calls are only counted, and the frontend refuses them.
     """
-    count = [0]
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    found = _ExportCheckpoints()
     generator = torch_checkpoint._checkpoint_without_reentrant_generator
     function = torch_checkpoint.CheckpointFunction
+    signature = inspect.signature(generator)
 
-    def counted_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
-        count[0] += 1
+    def name_of(a: Any, tracer: Any) -> str | None:
+        slot = get_proxy_slot(a, tracer, None) if tracer is not None and isinstance(a, torch.Tensor) else None
+        return str(slot.proxy.node.name) if slot is not None else None
+
+    def tagged_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+        mode = get_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        if graph is None:
+            found.untagged += 1
+            yield from generator(*args, **kwargs)
+            return
+        call_args, _, options = _bind(signature, args, kwargs)
+        index = len(found.calls)
+        found.calls.append(_ExportedCall(options, tuple(name_of(a, mode.tracer) for a in call_args)))  # type: ignore[union-attr]
+        start = len(graph.nodes)
         yield from generator(*args, **kwargs)
+        for n in list(graph.nodes)[start:]:
+            n.meta.setdefault(_TAG, []).append(index)
 
     class CountedCheckpointFunction:
         @staticmethod
         def apply(*args: Any) -> Any:
-            count[0] += 1
+            found.reentrant += 1
             return function.apply(*args)
 
-    torch_checkpoint._checkpoint_without_reentrant_generator = counted_generator
+    torch_checkpoint._checkpoint_without_reentrant_generator = tagged_generator
     torch_checkpoint.CheckpointFunction = CountedCheckpointFunction  # type: ignore[assignment, misc]
     try:
-        yield count
+        yield found
     finally:
         torch_checkpoint._checkpoint_without_reentrant_generator = generator
         torch_checkpoint.CheckpointFunction = function  # type: ignore[misc]
+
+
+@dataclass
+class _ExportCheckpoints:
+    calls: list[_ExportedCall] = field(default_factory=list)
+    reentrant: int = 0
+    untagged: int = 0
+    """Calls made where no proxy mode was tracing (none expected): they cannot be located in the graph."""
+
+    def unsupported(self) -> int:
+        return self.reentrant + self.untagged
+
+
+def _bind(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]]:
+    """The checkpointed function's arguments and the checkpoint's options, from a call of the
+    non-reentrant generator (its *args and **kwargs found by kind, not by name)."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    named.pop(next(iter(signature.parameters)))  # the checkpointed function, first in every version
+    star = {p.kind: name for name, p in signature.parameters.items() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    call_args = named.pop(star.get(inspect.Parameter.VAR_POSITIONAL, ""), ())
+    call_kwargs = named.pop(star.get(inspect.Parameter.VAR_KEYWORD, ""), {})
+    return tuple(call_args), dict(call_kwargs), {"use_reentrant": False, **named}
+
+
+def attach_exported_regions(gm: fx.GraphModule, found: _ExportCheckpoints) -> int:
+    """Rebuild the regions of an exported graph from the tags ``tagging_checkpoints`` left on its nodes;
+    return how many calls could not be rebuilt (the frontend refuses the model then).
+
+    A call's arguments are the nodes that carry its argument names; what else the region reads from
+    outside (a mask bound into the function, the weights) it holds as a closure, as eager does. A
+    call export wrapped into a submodule (a nested checkpoint comes out inside a
+    ``wrap_with_set_grad_enabled``) has lost nodes to it, and is not rebuilt.
+    """
+    by_call: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        for index in n.meta.get(_TAG, ()):
+            by_call.setdefault(index, []).append(n)
+    if any(n.op == "call_module" or isinstance(n.target, torch._ops.HigherOrderOperator) for n in gm.graph.nodes):
+        return found.unsupported() + len(found.calls)
+    names = {n.name: n for n in gm.graph.nodes}
+    regions = []
+    for index, nodes in sorted(by_call.items()):
+        call = found.calls[index]
+        args = tuple(names.get(a) if a is not None else None for a in call.args)
+        regions.append(Region(tuple(nodes), args, {}, call.options))
+    attach_regions(gm, regions)
+    return found.unsupported() + len(found.calls) - len(regions)
 
 
 def attach_regions(gm: fx.GraphModule, regions: list[Region]) -> None:

@@ -42,13 +42,16 @@ def _eager_decomposes(func: Any) -> bool:
     decomposition (upsample_nearest1d), which eager never uses and which can lay out its output
     differently (see test_interpolate_keeps_the_cpu_kernel_layout in tests/test_fuzz_regressions.py).
     Ops the dispatcher has no kernel for at all (aten.size.default, met in interpolate's symbolic
-    pass) are run as they are.
+    pass) are run as they are, and so are the few that have a CPU kernel besides their decomposition
+    (silu_backward, mish_backward, native_channel_shuffle): eager CPU runs that kernel, one output,
+    where the decomposition makes four temporaries (SiLU's backward in every Llama layer).
     """
     name = func.name()
     return (
         func.namespace == "aten"
         and torch._C._dispatch_has_kernel(name)
         and torch._C._dispatch_has_kernel_for_dispatch_key(name, DispatchKey.CompositeImplicitAutograd)
+        and not torch._C._dispatch_has_kernel_for_dispatch_key(name, DispatchKey.CPU)
     )
 
 

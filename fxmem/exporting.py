@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
 
-from fxmem.checkpointing import counting_checkpoints
+from fxmem.checkpointing import attach_exported_regions, tagging_checkpoints
 from fxmem.errors import TraceError
 from fxmem.hf_paths import eager_code_paths, has_eager_code_paths
 from fxmem.inputs import InputSpec
@@ -65,26 +65,28 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
     try:
-        with _muted(), counting_checkpoints() as checkpoints:  # export prints graph dumps on some failures; fxmem never prints from the library
+        with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
             try:
-                program = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, dims), device)
+                exported = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, dims), device)
             except Exception as e:
                 bounded = _suggested_dims(str(e), dims)
                 if bounded is None:
                     raise
-                program = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, bounded), device)
+                exported = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, bounded), device)
     except Exception as e:
         raise _export_error(name, model, e) from e
-    if checkpoints[0]:
-        raise TraceError(
-            f"model '{name}' calls torch.utils.checkpoint ({checkpoints[0]} call{'s' if checkpoints[0] > 1 else ''} while exporting), "
-            "which fxmem models on torch.fx graphs only: torch.export inlines the checkpointed code, so every "
-            "activation the checkpoint would recompute in backward would be counted as kept. Make the model "
-            "traceable by torch.fx (--frontend fx says why it is not), or turn checkpointing off for the "
-            "analysis (for Hugging Face models, model.gradient_checkpointing_disable()) to see the figures without it."
-        )
+    program, checkpoints = exported
     gm = program.module()
     _clean(gm)
+    lost = attach_exported_regions(gm, checkpoints)  # See Note [Checkpointed regions]
+    if lost:
+        raise TraceError(
+            f"model '{name}' calls torch.utils.checkpoint in a way fxmem cannot rebuild from torch.export's graph "
+            f"({lost} call{'s' if lost > 1 else ''}: with use_reentrant=True, or nested in another checkpoint); "
+            "counting it as if nothing were recomputed would overstate what the step keeps. Use one level of "
+            "use_reentrant=False checkpoints (what PyTorch recommends), make the model traceable by torch.fx "
+            "(--frontend fx says why it is not), or turn checkpointing off for the analysis to see the figures without it."
+        )
     return gm
 
 
@@ -128,15 +130,34 @@ def _export_first_that_works(model: nn.Module, specs: Sequence[InputSpec], dynam
 def _export(
     model: nn.Module, specs: Sequence[InputSpec], dynamic: dict[str, Any], device: torch.device, *, on_cpu: bool, eager_paths: bool
 ) -> Any:
-    """One non-strict export: a meta model faked ``on_cpu``, transformers on its ``eager_paths``."""
+    """One non-strict export (a meta model faked ``on_cpu``, transformers on its ``eager_paths``), and
+    the checkpoint calls it traced through (Note [Checkpointed regions])."""
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_without_kv_cache(model))
         if on_cpu:
             device = stack.enter_context(_meta_faked_on_cpu(device))
         if eager_paths:
             stack.enter_context(eager_code_paths(_input_names(model, specs)))
         args = tuple(_example(s, device) for s in specs if s.name is None)
         kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
-        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+        with tagging_checkpoints() as checkpoints:
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False), checkpoints
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model built by the user's own factory, with ``config.use_cache`` off while it is
+    exported: a training step has no use for the key/value cache (``hf:`` specs build models without
+    it), and the ``DynamicCache`` it returns is no output torch.export can take."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        config.use_cache = True  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager

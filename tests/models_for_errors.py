@@ -7,6 +7,7 @@ arguments unless its name says otherwise.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from fxmem.results import ModelSpec
@@ -153,3 +154,17 @@ def unknown_default_loss() -> ModelSpec:
 def tuple_inputs() -> tuple[nn.Module, tuple[str, ...]]:
     """(module, inputs) with the inputs as a tuple of spec strings, not one shape."""
     return nn.Linear(8, 4), ("B,8",)
+
+
+class _Reentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.utils.checkpoint.checkpoint(self.a, self.pre(x), use_reentrant=True))
+
+
+def reentrant_checkpoints() -> ModelSpec:
+    """A reentrant checkpoint: fx runs it as such, torch.export cannot (the error says so)."""
+    return ModelSpec(_Reentrant(), ("B,8",))

@@ -280,6 +280,6 @@ def test_measure_peak_checks_amp_before_running_anything() -> None:
         measure_peak(torch.nn.Linear(4, 2), ["B,4"], 2, amp="bf17")
 
 
-def test_export_of_a_checkpointed_model_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    err = error_line(capsys, "analyze", "docs/examples/checkpointed.py:build", "--input", "B,64,256", "--frontend", "export", "--no-peak")
-    assert "calls torch.utils.checkpoint" in err and "--frontend fx" in err and "gradient_checkpointing_disable" in err
+def test_export_of_a_reentrant_checkpoint_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    err = error_line(capsys, "analyze", f"{M}:reentrant_checkpoints", "--frontend", "export", "--no-peak")
+    assert "calls torch.utils.checkpoint in a way" in err and "use_reentrant=True" in err and "--frontend fx" in err and "use_reentrant=False" in err

@@ -130,3 +130,20 @@ def test_death_notices_give_the_timeline_a_full_scan_gives(monkeypatch: pytest.M
     notices = step()
     monkeypatch.setattr(timeline, "_storage_deaths_are_seen", lambda: False)
     assert step() == notices
+
+
+def test_silu_backward_runs_its_cpu_kernel_as_eager_does() -> None:
+    # silu_backward has a CPU kernel and a decomposition; eager CPU runs the kernel (one output), and so
+    # must the fake step: the decomposition's sigmoid, 1 - sigmoid, products and sum would stand as
+    # four (B, 16, 512) temporaries at once, 128 KiB at B=4 on top of the real backward (Llama's MLP).
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 512), nn.SiLU(), nn.Linear(512, 64))
+
+    with torch.device("meta"):
+        model = build()
+    report = fxmem.analyze(model, ["B,16,64"], target="cpu", batch=4)
+    torch.manual_seed(0)
+    measured = fxmem.measure_peak(build(), ["B,16,64"], 4)
+    assert report.peak(4).bytes == measured.bytes and report.peak(4).phase == measured.phase
+    ops = {e.op for e in report.timeline(4).events if e.phase.value == "backward"}
+    assert "aten.silu_backward" in ops and "aten.sigmoid" not in ops

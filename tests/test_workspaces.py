@@ -20,7 +20,13 @@ from torch.profiler import ProfilerActivity, profile
 
 import fxmem
 from fxmem.measure import measure_peak
-from fxmem.rules.ops import convolution_backward_workspace, convolution_workspace, mkldnn_rnn_layer_backward_workspace
+from fxmem.rules.ops import (
+    addmm_operand_copies,
+    convolution_backward_workspace,
+    convolution_workspace,
+    mkldnn_rnn_layer_backward_workspace,
+    mm_operand_copies,
+)
 
 AVX512 = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 onednn_avx512 = pytest.mark.skipif(not AVX512, reason="the oneDNN rules describe AVX512 kernels")
@@ -240,3 +246,35 @@ def test_zoo_peak_with_workspaces_is_within_one_percent(name: str, optimizer: st
     measured = measure_peak(real, spec.inputs, 4, loss=spec.loss, optimizer=optimizer, first_step=False)
     predicted = report.peak(4, first_step=False)
     assert abs(predicted.bytes - measured.bytes) <= 0.01 * measured.bytes, (predicted.bytes, measured.bytes)
+
+
+def _layouts(rows: int, cols: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """Eight ways a (rows, cols) operand reaches a matmul: the BLAS-ready ones and the ones ATen clones."""
+    return {
+        "contiguous": lambda: torch.randn(rows, cols),
+        "transposed": lambda: torch.randn(cols, rows).t(),
+        "expanded scalar": lambda: torch.randn(()).expand(rows, cols),  # a sum loss's gradient
+        "expanded row": lambda: torch.randn(1, cols).expand(rows, cols),
+        "expanded column": lambda: torch.randn(rows, 1).expand(rows, cols),
+        "column slice": lambda: torch.randn(rows, cols + 8)[:, :cols],
+        "every other row": lambda: torch.randn(2 * rows, cols)[::2],
+        "every other column": lambda: torch.randn(rows, 2 * cols)[:, ::2],
+    }
+
+
+def test_matmul_operand_copies_match_the_profiler() -> None:
+    # Note [CPU matmul operand copies]: 64 pairs of layouts, mm and addmm; 16 pairs need no copy.
+    misses, copied = [], 0
+    for (a_name, a_make), (b_name, b_make) in itertools.product(_layouts(24, 40).items(), _layouts(40, 56).items()):
+        a, b, bias = a_make(), b_make(), torch.randn(56)
+        for name, op, rule, args in (
+            ("mm", torch.mm, mm_operand_copies, (a, b)),
+            ("addmm", torch.addmm, addmm_operand_copies, (bias, a, b)),
+        ):
+            top, out = _high_mark(lambda op=op, args=args: op(*args))
+            measured, predicted = top - _nbytes(out), rule(args, {}, out)
+            copied += measured > 0
+            if predicted != measured:
+                misses.append(f"{name}({a_name}, {b_name}): predicted {predicted}, measured {measured}")
+    assert copied == 2 * (64 - 16)
+    assert not misses, "\n".join(misses)

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxmem.rules import Registry
 from fxmem.rules.onednn_conv import ConvShape, backward_marks, forward_marks, highest, onednn_convolution
@@ -232,3 +233,45 @@ def mkldnn_rnn_layer_backward_workspace(args: Sequence[Any], kwargs: Mapping[str
     weights = _lstm_weight_gradient(int(input_size), ld, gates, e) + _lstm_weight_gradient(hidden, ld, gates, e)
     grad_copy = 0 if args[10].is_contiguous() else args[10].numel() * e
     return undefined * batch * hidden * e + gates * e + weights + scratch + _RNN_SCRATCH_FIXED + grad_copy
+
+
+# Note [CPU matmul operand copies]
+#     ATen's CPU addmm/mm (addmm_impl_cpu_ in aten/src/ATen/native/LinearAlgebra.cpp) hands BLAS an
+#     operand as it is when its strides make it a row- or column-major matrix (one unit stride, the
+#     other at least the matrix's width or height), and a contiguous clone of it otherwise, freed when
+#     the op returns; both clones of one call live at once. The expanded gradient of a ``sum`` loss
+#     (every stride 0) is such an operand: the head's two backward matmuls each clone it, the size of
+#     the model's output. Float32 and float64 take that BLAS path; half-precision ones may take
+#     oneDNN's matmul instead, which this rule does not describe, so it stands aside for them.
+#     Measured with torch.profiler over eight layouts of each operand
+#     (tests/test_workspaces.py::test_matmul_operand_copies_match_the_profiler).
+
+_BLAS_DTYPES = (torch.float32, torch.float64)
+
+
+def _blas_ready(m: Any) -> bool:
+    """Whether BLAS takes the matrix ``m`` in place: row- or column-major with a valid leading dimension.
+    A condition the symbolic sizes leave open counts as met (no copy), so that none is invented."""
+    (rows, cols), (s0, s1) = m.shape, m.stride()
+    maybe = lambda condition: not statically_known_true(torch.sym_not(condition))
+    row_major = maybe(s1 == 1) and maybe(s0 >= torch.sym_max(1, cols))
+    col_major = maybe(s0 == 1) and maybe(s1 >= torch.sym_max(1, rows))
+    return row_major or col_major
+
+
+def _operand_copies(*matrices: Any) -> object:
+    if any(m.dtype not in _BLAS_DTYPES or m.dim() != 2 for m in matrices):
+        return 0
+    return sum((m.numel() * m.element_size() for m in matrices if not _blas_ready(m)), 0)
+
+
+@register_workspace_rule(("aten.mm", "cpu"))
+def mm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """Contiguous clones of operands BLAS cannot take; see Note [CPU matmul operand copies]."""
+    return _operand_copies(args[0], args[1])
+
+
+@register_workspace_rule(("aten.addmm", "cpu"))
+def addmm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """Contiguous clones of operands BLAS cannot take; see Note [CPU matmul operand copies]."""
+    return _operand_copies(args[1], args[2])
