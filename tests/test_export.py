@@ -205,3 +205,22 @@ def test_suggested_bounds_are_read_from_torchs_message() -> None:
     assert (bounded["S"].min, bounded["S"].max) == (3, 64)
     assert _suggested_dims("Suggested fixes:\n  seq = 16", dims) is None  # a constant: S cannot stay symbolic
     assert _suggested_dims("Suggested fixes:\n  seq = Dim('seq', max=8)", dims) is None  # excludes the example S=16
+
+
+def test_a_users_own_hugging_face_model_exports_without_its_cache() -> None:
+    # Built by the user's factory, not by an hf: spec, the model has use_cache=True: its forward would
+    # return a DynamicCache that torch.export cannot take. A training step never uses the cache, so
+    # export runs with it off, and the user's config is left as it was.
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    assert model.config.use_cache is True
+    inputs = {"input_ids": "B,16:int64", "labels": "B,16:int64"}
+    report = fxmem.analyze(model, inputs, loss="auto", target="cpu", peak=False)
+    assert report.frontend == "export" and model.config.use_cache is True
+    torch.manual_seed(0)
+    real = transformers.LlamaForCausalLM(config)
+    assert report.activation_bytes(2) == fxmem.measure(real, inputs, 2, loss="auto", frontend="export").total
