@@ -34,11 +34,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from fxmem.binding import bind_inputs, fake_like, state_kinds, swapped_state
-from fxmem.checkpointing import Region, RegionInterpreter
+from fxmem.checkpointing import Region
 from fxmem.dispatch import OpRule, OpRuleMode
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.inputs import InputSpec, dtype_name, has_seq, make_tensor
 from fxmem.losses import Loss
+from fxmem.recompute import RegionInterpreter
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
 from fxmem.symbolic import ByteExpr, DataDependentBytes, label_dim, to_byte_expr
 

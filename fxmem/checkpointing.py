@@ -1,4 +1,6 @@
-"""Activation checkpointing: find ``torch.utils.checkpoint`` calls while tracing, run them for real.
+"""Activation checkpointing, stage 2's part: find each ``torch.utils.checkpoint`` call while tracing.
+
+fxmem/recompute.py runs the regions found here through the real checkpoint.
 
 Note [Checkpointed regions]
     ``torch.fx.symbolic_trace`` runs ``checkpoint(fn, *args)`` like any Python call, so the nodes of
@@ -17,8 +19,14 @@ Note [Checkpointed regions]
     A region's nodes run with no saved-tensor hooks of the pass's own: hooks do not nest, and the
     innermost pair would take the checkpoint's place. Values from outside the region that it reads
     without receiving them as arguments (a mask in a closure) are held by the region, as the closure
-    holds them in eager. torch.export traces checkpoints into its own higher-order ops; this module
-    covers the fx frontend.
+    holds them in eager.
+
+    torch.export traces through a checkpoint the same way, building its graph in a proxy mode: while
+    it runs, the generator stand-in tags each node the call makes (node metadata survives into
+    ``ExportedProgram.module()``) and notes which nodes its arguments were, and the regions are rebuilt
+    from the tags. Two kinds export cannot give back are refused rather than counted as if nothing
+    were recomputed: reentrant checkpoints (an autograd.Function whose no_grad forward export records
+    as grad-mode switches) and nested ones (export wraps them in a grad-mode submodule).
 """
 
 from __future__ import annotations
@@ -35,16 +43,9 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["SIGNALS", "Region", "RegionInterpreter", "attach_exported_regions", "attach_regions", "checkpoint_regions", "recording_checkpoints", "tagging_checkpoints"]
+__all__ = ["Region", "attach_exported_regions", "attach_regions", "checkpoint_regions", "recording_checkpoints", "tagging_checkpoints"]
 
 _META = "fxmem_checkpoint_regions"
-
-SIGNALS: tuple[type[BaseException], ...] = tuple(
-    e for e in (getattr(torch_checkpoint, "_StopRecomputationError", None),) if e is not None
-)
-"""Exceptions checkpoint raises through the region's nodes on purpose: early stop of a recomputation
-once it has made every tensor backward needs. Node error handlers must let them pass."""
-
 
 @dataclass(frozen=True)
 class Region:
@@ -256,132 +257,9 @@ def attach_regions(gm: fx.GraphModule, regions: list[Region]) -> None:
 
 
 def checkpoint_regions(gm: fx.GraphModule) -> tuple[Region, ...]:
-    """The checkpointed regions of a graph traced by fxmem (none for exported graphs)."""
+    """The checkpointed regions of a graph fxmem traced or exported (none where nothing was checkpointed)."""
     return tuple(gm.meta.get(_META, ()))
 
 
 def _position(n: fx.Node) -> int:
     return next(i for i, m in enumerate(n.graph.nodes) if m is n)
-
-
-class RegionInterpreter(fx.Interpreter):
-    """An fx Interpreter that runs each checkpointed region through ``torch.utils.checkpoint``.
-
-    Subclasses put their per-node work in ``run_one`` and may wrap an outermost region's checkpoint
-    call in ``region_call`` (to see what it saves). ``self.checkpointed`` is how many regions are
-    running: inside one, a pass installs no saved-tensor hooks of its own.
-    """
-
-    def __init__(self, gm: fx.GraphModule, *, garbage_collect_values: bool) -> None:
-        super().__init__(gm, garbage_collect_values=garbage_collect_values)
-        regions = checkpoint_regions(gm)
-        self.checkpointed = 0
-        self._regions = regions
-        self._top: dict[fx.Node, int] = {}
-        for i in reversed(range(len(regions))):  # outer regions last, so they win
-            if regions[i].parent is None:
-                self._top.update(dict.fromkeys(regions[i].nodes, i))
-        self._ready: dict[fx.Node, Any] = {}
-        self._forward = False
-        self._plans: dict[int, list[tuple[fx.Node | int, tuple[fx.Node, ...]]]] = {}
-
-    def run_one(self, n: fx.Node) -> Any:
-        return super().run_node(n)
-
-    def region_call(self, region: Region) -> contextlib.AbstractContextManager[object]:
-        return contextlib.nullcontext()
-
-    def recompute_context(self) -> contextlib.AbstractContextManager[object]:
-        """What a region recomputed in backward runs inside: what the forward ran inside (the target's
-        kernels), which checkpoint cannot restore since it is none of autocast, RNG or device state."""
-        return contextlib.nullcontext()
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        self._forward = True
-        try:
-            return super().run(*args, **kwargs)
-        finally:
-            self._forward = False
-            self.env = {}  # a region recomputed in backward holds this interpreter, not its values
-
-    def run_node(self, n: fx.Node) -> Any:
-        index = self._top.get(n)
-        if index is None:
-            return self.run_one(n)
-        if n in self._ready:
-            return self._ready.pop(n)
-        region = self._regions[index]
-        if n is not region.first:
-            return None  # a value inside the checkpoint: nobody outside it holds one
-        self._ready.update(self._call(index, self.env.__getitem__))
-        return self._ready.pop(n, None)
-
-    def _call(self, index: int, lookup: Callable[[fx.Node], Any]) -> dict[fx.Node, Any]:
-        """Run region ``index`` through the real checkpoint; its outputs by node."""
-        region = self._regions[index]
-        value = lambda a: lookup(a) if isinstance(a, fx.Node) else a
-        args, kwargs = map_aggregate(region.args, value), map_aggregate(dict(region.kwargs), value)
-        held = {n: lookup(n) for n in region.closure()}
-        outputs = region.outputs()
-
-        def body(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
-            env = dict(held)
-            for node, given in zip(tree_leaves((region.args, dict(region.kwargs))), tree_leaves((args, kwargs))):
-                if isinstance(node, fx.Node):
-                    env[node] = given
-            self.checkpointed += 1
-            try:
-                with contextlib.nullcontext() if self._forward else self.recompute_context():
-                    self._run_region(index, env)
-            finally:
-                self.checkpointed -= 1
-            return tuple(env[o] for o in outputs)
-
-        outermost = self.region_call(region) if not self.checkpointed else contextlib.nullcontext()
-        with outermost:  # a nested checkpoint's inputs are saved to the checkpoint around it, not to the pass
-            result = torch_checkpoint.checkpoint(body, *args, **region.options, **kwargs)
-        return dict(zip(outputs, result))
-
-    def _run_region(self, index: int, env: dict[fx.Node, Any]) -> None:
-        """Run a region's steps in ``env``, each value dropped after its last use, as eager drops a
-        local: a region's intermediates are not kept, so holding them would raise the forward's peak."""
-        for step, done in self._steps(index):
-            if isinstance(step, fx.Node):
-                env[step] = self._run_in(step, env)
-            else:
-                env.update(self._call(step, env.__getitem__))
-            if self.garbage_collect_values:
-                for n in done:
-                    env.pop(n, None)
-
-    def _steps(self, index: int) -> list[tuple[fx.Node | int, tuple[fx.Node, ...]]]:
-        """A region's steps (its own nodes, and nested regions as one step each), each with the values
-        last read there; the region's outputs are never dropped."""
-        cached = self._plans.get(index)
-        if cached is not None:
-            return cached
-        region = self._regions[index]
-        owner = {n: i for i, r in enumerate(self._regions) if r.parent == index for n in r.nodes}
-        steps: list[fx.Node | int] = []
-        reads: list[set[fx.Node]] = []
-        for n in region.nodes:
-            child = owner.get(n)
-            if child is None:
-                steps.append(n)
-                reads.append(set(n.all_input_nodes))
-            elif n is self._regions[child].first:
-                inner = self._regions[child]
-                steps.append(child)
-                reads.append({a for a in tree_leaves((inner.args, dict(inner.kwargs))) if isinstance(a, fx.Node)} | set(inner.closure()))
-        last = {n: i for i, read in enumerate(reads) for n in read}
-        keep = set(region.outputs())
-        plan = [(step, tuple(n for n in reads[i] if last[n] == i and n not in keep)) for i, step in enumerate(steps)]
-        self._plans[index] = plan
-        return plan
-
-    def _run_in(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
-        outer, self.env = self.env, env
-        try:
-            return self.run_one(n)
-        finally:
-            self.env = outer

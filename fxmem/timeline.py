@@ -57,13 +57,14 @@ from torch.utils._pytree import tree_leaves
 
 from fxmem.binding import bind_inputs, swapped_state
 from fxmem.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
-from fxmem.checkpointing import SIGNALS as CHECKPOINT_SIGNALS
-from fxmem.checkpointing import Region, RegionInterpreter
+from fxmem.checkpointing import Region
 from fxmem.dispatch import OpRule, OpRuleMode
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.flops import OpCost, is_view_like, op_cost
 from fxmem.inputs import InputSpec, dtype_name
 from fxmem.losses import Loss
+from fxmem.recompute import SIGNALS as CHECKPOINT_SIGNALS
+from fxmem.recompute import RegionInterpreter
 from fxmem.results import Category, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceLines
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
