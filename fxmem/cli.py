@@ -93,6 +93,7 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
     p.add_argument("--seq-len", type=_positive_int, metavar="S", help="the length a symbolic sequence axis S (--input B,S:int64) is evaluated at; for hf: specs also the length of the default inputs (default: the config's context, at most 2048)")
     p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
+    p.add_argument("--checkpoint", action="store_true", help="hf: specs: turn on transformers' activation checkpointing (every layer, non-reentrant)")
 
 
 def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
@@ -201,7 +202,7 @@ class _Progress:
 
 def _load(args: argparse.Namespace, say: Callable[[str], None]) -> ModelSpec:
     say(f"loading {args.spec}")
-    spec = load_model(args.spec, hf_config=_config_overrides(args.config), seq_len=args.seq_len)
+    spec = load_model(args.spec, hf_config=_config_overrides(args.config), seq_len=args.seq_len, checkpoint=args.checkpoint)
     loss = args.loss or spec.loss
     if args.loss is None and loss not in LOSSES:
         raise InputSpecError(f"model '{args.spec}' asks for loss '{loss}', which fxmem does not know; pass --loss, one of {', '.join(LOSSES)}.")

@@ -25,8 +25,14 @@ _HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM
 """Tried in order when the config names no architecture: the first whose mapping knows the config."""
 
 
-def hf_factory(name: str, *, overrides: Mapping[str, str] = {}, seq_len: int | None = None) -> Callable[[], ModelSpec]:
-    """A factory for ``hf:NAME``: resolves the config now (errors early), builds the model when called."""
+def hf_factory(
+    name: str, *, overrides: Mapping[str, str] = {}, seq_len: int | None = None, checkpoint: bool = False
+) -> Callable[[], ModelSpec]:
+    """A factory for ``hf:NAME``: resolves the config now (errors early), builds the model when called.
+
+    ``checkpoint`` turns on transformers' own activation checkpointing (non-reentrant, every layer),
+    as a training script would; fxmem/checkpointing.py finds its regions in the exported graph.
+    """
     transformers = _import_transformers()
     config = _config(transformers, name)
     _apply_overrides(config, overrides, name)
@@ -37,9 +43,21 @@ def hf_factory(name: str, *, overrides: Mapping[str, str] = {}, seq_len: int | N
     inputs = {"input_ids": f"B,{seq}:int64", "labels": f"B,{seq}:int64"}
 
     def build() -> ModelSpec:
-        return ModelSpec(_instantiate(_model_class(transformers, config), config), inputs, loss="auto", name=f"hf:{name}")
+        model = _instantiate(_model_class(transformers, config), config)
+        if checkpoint:
+            _checkpoint_layers(model, name)
+        return ModelSpec(model, inputs, loss="auto", name=f"hf:{name}")
 
     return build
+
+
+def _checkpoint_layers(model: Any, name: str) -> None:
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise LoadError(f"hf:{name}: transformers does not support activation checkpointing for {type(model).__name__}; drop --checkpoint.")
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def _import_transformers() -> Any:

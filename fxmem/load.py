@@ -33,14 +33,21 @@ __all__ = ["load_leaf_types", "load_model"]
 
 
 def load_model(
-    spec: str, *, meta: bool = True, hf_config: Mapping[str, str] = {}, seq_len: int | None = None
+    spec: str, *, meta: bool = True, hf_config: Mapping[str, str] = {}, seq_len: int | None = None, checkpoint: bool = False
 ) -> ModelSpec:
     """Build the model named by ``spec`` (on the meta device unless ``meta=False``).
 
-    ``hf_config`` (config overrides) and ``seq_len`` apply to ``hf:`` specs only.
+    ``hf_config`` (config overrides), ``seq_len`` and ``checkpoint`` (transformers' activation
+    checkpointing) apply to ``hf:`` specs only.
     """
     if spec.startswith("hf:"):
-        return _call_factory(hf_factory(spec[len("hf:") :], overrides=hf_config, seq_len=seq_len), spec, meta=meta)
+        build = hf_factory(spec[len("hf:") :], overrides=hf_config, seq_len=seq_len, checkpoint=checkpoint)
+        return _call_factory(build, spec, meta=meta)
+    if checkpoint:
+        raise LoadError(
+            f"model spec '{spec}': checkpoint=True (--checkpoint) turns on transformers' activation checkpointing, "
+            "so it applies to hf: specs only; other models checkpoint in their own code (torch.utils.checkpoint), which fxmem follows."
+        )
     for prefix, make in (("torchvision:", torchvision_factory), ("timm:", timm_factory)):
         if spec.startswith(prefix):
             name = spec[len(prefix) :]

@@ -223,3 +223,24 @@ def test_on_the_cuda_target_backward_recomputes_with_cuda_kernels() -> None:
     report = fxmem.analyze(model, INPUTS, target="cuda", batch=4)
     assert report.activations == ByteExpr(per_sample=T * D)
     assert report.peak(4).phase == Phase.BACKWARD
+
+
+def test_an_hf_spec_checkpoints_every_layer_when_asked(tmp_path: Path) -> None:
+    # --checkpoint (load_model(checkpoint=True)) turns on transformers' own switch on an hf: spec: one
+    # region per decoder layer, and the saved bytes a real checkpointed run keeps.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=64,
+    )  # fmt: skip
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(tmp_path)
+    name = f"hf:{tmp_path / 'config.json'}"
+    spec = fxmem.load_model(name, seq_len=16, checkpoint=True)
+    report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, target="cpu", peak=False)
+    assert report.checkpointed == 3
+    torch.manual_seed(0)
+    real = fxmem.load_model(name, seq_len=16, checkpoint=True, meta=False).model
+    assert report.activations.at(2) == measure(real, spec.inputs, batch=2, loss=spec.loss).total
+    plain = fxmem.load_model(name, seq_len=16)
+    assert report.activations.at(2) < fxmem.analyze(plain.model, plain.inputs, loss=plain.loss, target="cpu", peak=False).activations.at(2)

@@ -283,3 +283,8 @@ def test_measure_peak_checks_amp_before_running_anything() -> None:
 def test_export_of_a_reentrant_checkpoint_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = error_line(capsys, "analyze", f"{M}:reentrant_checkpoints", "--frontend", "export", "--no-peak")
     assert "calls torch.utils.checkpoint in a way" in err and "use_reentrant=True" in err and "--frontend fx" in err and "use_reentrant=False" in err
+
+
+def test_checkpoint_flag_outside_hf_specs_says_where_it_applies(capsys: pytest.CaptureFixture[str]) -> None:
+    err = error_line(capsys, "analyze", "zoo:wide-mlp:test", "--checkpoint")
+    assert "applies to hf: specs only" in err and "torch.utils.checkpoint" in err
