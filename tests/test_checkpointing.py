@@ -7,6 +7,7 @@ peak within 1% and in the same phase, as tests/test_peak_zoo.py holds the zoo to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
 
 import fxmem
 from fxmem.errors import TraceError
@@ -85,11 +86,28 @@ class Nested(nn.Module):
         return F.dropout(y, 0.1)
 
 
+def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Selective(PerBlock):
+    """Selective activation checkpointing: each block keeps its matmuls' outputs, recomputes the rest.
+    Those outputs live in the checkpoint's own cache, not in saved tensors: they count in the peak."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False, context_fn=context)
+        return self.head(x)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "per-block": PerBlock,
     "reentrant": lambda: PerBlock(reentrant=True),
     "sequential": Sequential,
     "nested": Nested,
+    "selective": Selective,
 }
 
 
