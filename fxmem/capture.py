@@ -189,10 +189,11 @@ class _Recorder(RegionInterpreter):
     keeps, and the hooks around the checkpoint call see that (See Note [Checkpointed regions]).
     """
 
+    passthrough = (FxmemError, SymbolicUnsupported, KeyboardInterrupt)
+
     def __init__(self, gm: fx.GraphModule, book: _Book, model_name: str) -> None:
-        super().__init__(gm, garbage_collect_values=False)
+        super().__init__(gm, garbage_collect_values=False, model_label=model_name)
         self.book = book
-        self.model_name = model_name
         self.infos: list[NodeInfo] = []
 
     def region_call(self, region: Region) -> AbstractContextManager[object]:
@@ -208,7 +209,7 @@ class _Recorder(RegionInterpreter):
         except (FxmemError, SymbolicUnsupported, KeyboardInterrupt):
             raise
         except Exception as e:
-            raise node_error(n, self.env, (self.book.batch_symbol, self.book.seq_symbol), self.model_name, e) from e
+            raise node_error(n, self.env, (self.book.batch_symbol, self.book.seq_symbol), self.model_label, e) from e
         if n.op != "output":
             self.book.claim(out, n.name)
             self.infos.append(_node_info(n, out, self.book))

@@ -47,6 +47,7 @@ __all__ = ["Region", "attach_exported_regions", "attach_regions", "checkpoint_re
 
 _META = "fxmem_checkpoint_regions"
 
+
 @dataclass(frozen=True)
 class Region:
     """One ``torch.utils.checkpoint`` call seen while tracing (See Note [Checkpointed regions])."""
@@ -69,10 +70,17 @@ class Region:
         inside = set(self.nodes)
         return tuple(n for n in self.nodes if any(u not in inside for u in n.users))
 
+    def leaves(self) -> list[Any]:
+        """The call's arguments flattened, positional then keyword: nodes and constants."""
+        return tree_leaves((self.args, dict(self.kwargs)))
+
+    def passed(self) -> set[fx.Node]:
+        """The nodes the call receives as arguments."""
+        return {a for a in self.leaves() if isinstance(a, fx.Node)}
+
     def closure(self) -> tuple[fx.Node, ...]:
         """Nodes from outside the region that it reads without receiving them as arguments."""
-        inside = set(self.nodes)
-        passed = {a for a in tree_leaves((self.args, dict(self.kwargs))) if isinstance(a, fx.Node)}
+        inside, passed = set(self.nodes), self.passed()
         seen: dict[fx.Node, None] = {}
         for n in self.nodes:
             for a in n.all_input_nodes:
@@ -104,9 +112,7 @@ class _Recording:
 def recording_checkpoints(tracer: fx.Tracer) -> Iterator[list[Region]]:
     """While tracing with ``tracer``, record every checkpoint call as a Region (the list is filled in)."""
     recording = _Recording(tracer)
-    generator = torch_checkpoint._checkpoint_without_reentrant_generator
-    function = torch_checkpoint.CheckpointFunction
-    signature = inspect.signature(generator)
+    signature = inspect.signature(torch_checkpoint._checkpoint_without_reentrant_generator)
 
     def traced_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
         recording.begin(*_bind(signature, args, kwargs))
@@ -121,13 +127,21 @@ def recording_checkpoints(tracer: fx.Tracer) -> Iterator[list[Region]]:
             recording.end()
             return out
 
-    torch_checkpoint._checkpoint_without_reentrant_generator = traced_generator
-    torch_checkpoint.CheckpointFunction = TracedCheckpointFunction  # type: ignore[assignment, misc]
-    try:
+    with _standing_in(traced_generator, TracedCheckpointFunction):
         yield recording.regions
+
+
+@contextlib.contextmanager
+def _standing_in(generator: Callable[..., Iterator[None]], function: type) -> Iterator[None]:
+    """Put ``generator`` and ``function`` where every checkpoint call looks its two entry points up
+    (module globals of torch.utils.checkpoint, read at each call), and put torch's back after."""
+    saved = torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction
+    torch_checkpoint._checkpoint_without_reentrant_generator = generator
+    torch_checkpoint.CheckpointFunction = function  # type: ignore[assignment, misc]
+    try:
+        yield
     finally:
-        torch_checkpoint._checkpoint_without_reentrant_generator = generator
-        torch_checkpoint.CheckpointFunction = function  # type: ignore[misc]
+        torch_checkpoint._checkpoint_without_reentrant_generator, torch_checkpoint.CheckpointFunction = saved  # type: ignore[misc]
 
 
 _TAG = "fxmem_checkpoint"
@@ -185,13 +199,8 @@ def tagging_checkpoints() -> Iterator[_ExportCheckpoints]:
             found.reentrant += 1
             return function.apply(*args)
 
-    torch_checkpoint._checkpoint_without_reentrant_generator = tagged_generator
-    torch_checkpoint.CheckpointFunction = CountedCheckpointFunction  # type: ignore[assignment, misc]
-    try:
+    with _standing_in(tagged_generator, CountedCheckpointFunction):
         yield found
-    finally:
-        torch_checkpoint._checkpoint_without_reentrant_generator = generator
-        torch_checkpoint.CheckpointFunction = function  # type: ignore[misc]
 
 
 @dataclass

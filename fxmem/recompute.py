@@ -17,6 +17,7 @@ from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_leaves
 
 from fxmem.checkpointing import Region, checkpoint_regions
+from fxmem.errors import CaptureError, FxmemError
 
 __all__ = ["SIGNALS", "RegionInterpreter"]
 
@@ -27,7 +28,6 @@ SIGNALS: tuple[type[BaseException], ...] = tuple(
 once it has made every tensor backward needs. Node error handlers must let them pass."""
 
 
-
 class RegionInterpreter(fx.Interpreter):
     """An fx Interpreter that runs each checkpointed region through ``torch.utils.checkpoint``.
 
@@ -36,15 +36,17 @@ class RegionInterpreter(fx.Interpreter):
     running: inside one, a pass installs no saved-tensor hooks of its own.
     """
 
-    def __init__(self, gm: fx.GraphModule, *, garbage_collect_values: bool) -> None:
+    passthrough: tuple[type[BaseException], ...] = (FxmemError, KeyboardInterrupt, *SIGNALS)
+    """Exceptions a region's checkpoint call lets through as they are (subclasses add their own)."""
+
+    def __init__(self, gm: fx.GraphModule, *, garbage_collect_values: bool, model_label: str) -> None:
         super().__init__(gm, garbage_collect_values=garbage_collect_values)
+        self.model_label = model_label
         regions = checkpoint_regions(gm)
         self.checkpointed = 0
         self._regions = regions
-        self._top: dict[fx.Node, int] = {}
-        for i in reversed(range(len(regions))):  # outer regions last, so they win
-            if regions[i].parent is None:
-                self._top.update(dict.fromkeys(regions[i].nodes, i))
+        self._top = {n: i for i, r in enumerate(regions) if r.parent is None for n in r.nodes}
+        """The outermost region each node belongs to (outermost regions do not overlap)."""
         self._ready: dict[fx.Node, Any] = {}
         self._forward = False
         self._plans: dict[int, list[tuple[fx.Node | int, tuple[fx.Node, ...]]]] = {}
@@ -77,7 +79,16 @@ class RegionInterpreter(fx.Interpreter):
         region = self._regions[index]
         if n is not region.first:
             return None  # a value inside the checkpoint: nobody outside it holds one
-        self._ready.update(self._call(index, self.env.__getitem__))
+        try:
+            self._ready.update(self._call(index, self.env.__getitem__))
+        except self.passthrough:
+            raise
+        except Exception as e:  # the checkpoint call itself (its options); a node's failure is run_one's to name
+            raise CaptureError(
+                f"model '{self.model_label}': the torch.utils.checkpoint call whose region starts at node '{n.name}' "
+                f"({n.format_node()}) failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}. "
+                "A real run fails the same way: fix the call's arguments (use_reentrant, determinism_check, context_fn, ...)."
+            ) from e
         return self._ready.pop(n, None)
 
     def _call(self, index: int, lookup: Callable[[fx.Node], Any]) -> dict[fx.Node, Any]:
@@ -90,7 +101,7 @@ class RegionInterpreter(fx.Interpreter):
 
         def body(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
             env = dict(held)
-            for node, given in zip(tree_leaves((region.args, dict(region.kwargs))), tree_leaves((args, kwargs))):
+            for node, given in zip(region.leaves(), tree_leaves((args, kwargs))):
                 if isinstance(node, fx.Node):
                     env[node] = given
             self.checkpointed += 1
@@ -136,7 +147,7 @@ class RegionInterpreter(fx.Interpreter):
             elif n is self._regions[child].first:
                 inner = self._regions[child]
                 steps.append(child)
-                reads.append({a for a in tree_leaves((inner.args, dict(inner.kwargs))) if isinstance(a, fx.Node)} | set(inner.closure()))
+                reads.append(inner.passed() | set(inner.closure()))
         last = {n: i for i, read in enumerate(reads) for n in read}
         keep = set(region.outputs())
         plan = [(step, tuple(n for n in reads[i] if last[n] == i and n not in keep)) for i, step in enumerate(steps)]

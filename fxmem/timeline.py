@@ -284,13 +284,14 @@ class _Forward(RegionInterpreter):
     A checkpointed region runs through the real checkpoint, which backward calls again to recompute
     it: those ops are charged to the nodes they recompute (See Note [Checkpointed regions])."""
 
+    passthrough = _PASS_THROUGH
+
     def __init__(
         self, gm: fx.GraphModule, tracker: _Tracker, fake: FakeBatch, model: str, kernels: Callable[[], AbstractContextManager[object]]
     ) -> None:
-        super().__init__(gm, garbage_collect_values=True)
+        super().__init__(gm, garbage_collect_values=True, model_label=model)
         self.tracker = tracker
         self.fake = fake
-        self.model = model
         self.kernels = kernels
 
     @contextlib.contextmanager
@@ -316,7 +317,7 @@ class _Forward(RegionInterpreter):
             raise
         except Exception as e:
             symbols = (self.fake.symbols.get("B"), self.fake.symbols.get("S"))
-            raise node_error(n, self.env, symbols, self.model, e) from e
+            raise node_error(n, self.env, symbols, self.model_label, e) from e
         _label_autograd(out, (n.name, node_fqn(n)))
         return out
 

@@ -168,3 +168,17 @@ class _Reentrant(nn.Module):
 def reentrant_checkpoints() -> ModelSpec:
     """A reentrant checkpoint: fx runs it as such, torch.export cannot (the error says so)."""
     return ModelSpec(_Reentrant(), ("B,8",))
+
+
+class _BadCheckpoint(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False, determinism_check="strict")
+
+
+def bad_checkpoint_option() -> ModelSpec:
+    """A checkpoint option torch rejects when the call runs (not while fx traces it)."""
+    return ModelSpec(_BadCheckpoint(), ("B,8",))

@@ -288,3 +288,8 @@ def test_export_of_a_reentrant_checkpoint_is_refused_in_one_line(capsys: pytest.
 def test_checkpoint_flag_outside_hf_specs_says_where_it_applies(capsys: pytest.CaptureFixture[str]) -> None:
     err = error_line(capsys, "analyze", "zoo:wide-mlp:test", "--checkpoint")
     assert "applies to hf: specs only" in err and "torch.utils.checkpoint" in err
+
+
+def test_a_checkpoint_call_torch_rejects_is_one_line_naming_its_region(capsys: pytest.CaptureFixture[str]) -> None:
+    err = error_line(capsys, "analyze", f"{M}:bad_checkpoint_option", "--target", "cpu")
+    assert "torch.utils.checkpoint call whose region starts at node 'a'" in err and "determinism_check" in err

@@ -134,8 +134,8 @@ def test_death_notices_give_the_timeline_a_full_scan_gives(monkeypatch: pytest.M
 
 def test_silu_backward_runs_its_cpu_kernel_as_eager_does() -> None:
     # silu_backward has a CPU kernel and a decomposition; eager CPU runs the kernel (one output), and so
-    # must the fake step: the decomposition's sigmoid, 1 - sigmoid, products and sum would stand as
-    # four (B, 16, 512) temporaries at once, 128 KiB at B=4 on top of the real backward (Llama's MLP).
+    # must the fake step: the decomposition's sigmoid, empty_like, mul and add make four (B, 16, 512)
+    # temporaries where the kernel makes one, each 4 x 16 x 512 x 4 B = 128 KiB at B=4 (Llama's MLP).
     def build() -> nn.Module:
         return nn.Sequential(nn.Linear(64, 512), nn.SiLU(), nn.Linear(512, 64))
 
