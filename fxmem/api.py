@@ -54,6 +54,7 @@ def analyze(
     optimizer_impl: str | None = None,
     overheads: Mapping[str, int] | None = None,
     bn_threshold: int = BN_THRESHOLD,
+    torch_version: str | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -77,10 +78,12 @@ def analyze(
     ``fxmem.precision``); ``world_size`` and ``shard`` ("zero1", "zero2", "zero3", "fsdp") give the
     per-GPU share of a sharded run; ``optimizer_impl`` is "foreach", "fused" or "for-loop".
     ``bn_threshold``: per-device batches below it get the batch-norm caveat where the model has
-    batch-statistics layers (``Report.batchnorm_caveat``).
+    batch-statistics layers (``Report.batchnorm_caveat``). ``torch_version`` ("2.11") is the torch
+    release the training job runs, where a cuda target's kernel choices changed between releases
+    (SDPA's backend, cuBLASLt's workspace); None follows the torch fxmem runs with.
     """
     name = name or type(model).__name__
-    setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}))
+    setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version)
     specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
     bn_threshold = _check_threshold(bn_threshold)
@@ -123,12 +126,27 @@ def _state(
     if not setup.cuda:
         return state, per_gpu, None
     fused = impl == "fused"
-    return state, per_gpu, device_model(setup.device, setup.overheads, fused=fused, simulated=count(None, setup.state_dtype or param_dtype), per_gpu=per_gpu)
+    return (
+        state,
+        per_gpu,
+        device_model(
+            setup.device, setup.overheads, fused=fused, simulated=count(None, setup.state_dtype or param_dtype), per_gpu=per_gpu, release=setup.release
+        ),
+    )
 
 
 def _simulate_steps(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, opt: OptimizerRule, name: str, say: Callable[[str], None],
-    seq: int | None, batch: int, setup: TrainingSetup, impl: str, device: DeviceModel | None,
+    gm: fx.GraphModule,
+    specs: tuple[InputSpec, ...],
+    loss: Loss,
+    opt: OptimizerRule,
+    name: str,
+    say: Callable[[str], None],
+    seq: int | None,
+    batch: int,
+    setup: TrainingSetup,
+    impl: str,
+    device: DeviceModel | None,
 ) -> StepPeaks:
     """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
     the report's own batch now (so that a failing step fails analyze), concrete ones on demand."""
@@ -139,8 +157,18 @@ def _simulate_steps(
         if b is not None:
             say(f"simulating the training step at B={b}")
         return simulate_step(
-            gm, specs, loss=loss, optimizer=opt, batch=b, rules=rules, workspaces=workspaces, model=name,
-            seq=seq if b else None, kernels=kernels, optimizer_impl=impl, state_dtype=setup.state_dtype,
+            gm,
+            specs,
+            loss=loss,
+            optimizer=opt,
+            batch=b,
+            rules=rules,
+            workspaces=workspaces,
+            model=name,
+            seq=seq if b else None,
+            kernels=kernels,
+            optimizer_impl=impl,
+            state_dtype=setup.state_dtype,
         )
 
     def symbolic() -> tuple[Timeline | None, str]:
@@ -217,7 +245,16 @@ def _pass(
 
     def run(batch: int | None, seq: int | None) -> Capture:
         return capture_saved(
-            gm, specs, loss=loss, batch=batch, seq=seq, rules=rules, model=name, strict=strict, kernels=kernels, state_dtype=setup.state_dtype
+            gm,
+            specs,
+            loss=loss,
+            batch=batch,
+            seq=seq,
+            rules=rules,
+            model=name,
+            strict=strict,
+            kernels=kernels,
+            state_dtype=setup.state_dtype,
         )
 
     return run

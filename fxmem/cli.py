@@ -106,6 +106,7 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
     g.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
+    g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
 
 
@@ -120,6 +121,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
+        "torch_version": args.torch_version,
     }  # fmt: skip
 
 
@@ -306,6 +308,7 @@ def _check_measurable(args: argparse.Namespace) -> None:
     """A real run is one forward (or with --peak one step) on one device in the model's own dtypes: the
     setup options it cannot honour are refused rather than silently left out of both sides."""
     flags = {"--world-size": args.world_size != 1, "--shard": args.shard != "none", "--precision": bool(args.precision)}
+    flags["--torch-version"] = args.torch_version is not None  # the real run is the installed torch's
     if not args.peak:
         flags |= {"--amp": args.amp is not None, "--optimizer-impl": args.optimizer_impl is not None, "--overhead": bool(args.overhead)}
     given = [name for name, on in flags.items() if on]

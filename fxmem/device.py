@@ -37,13 +37,14 @@ size from the moment they are made.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from fxmem.allocator import FREE, replay
 from fxmem.gpus import GpuSpec
 from fxmem.overheads import Overheads, cuda_overheads
 from fxmem.results import Category, DevicePeak, MemoryEvent, Phase, StateBytes, Timeline
+from fxmem.rules import TorchRelease
 from fxmem.sharding import PerGpuState
 
 __all__ = ["DeviceModel", "device_model", "replay_step"]
@@ -68,25 +69,35 @@ class DeviceModel:
     """Per-GPU storages the simulated step lacks, as (name, bytes, why): master weights, gathered units."""
 
 
-def device_model(gpu: GpuSpec, overrides: Mapping[str, int], *, fused: bool, simulated: StateBytes, per_gpu: PerGpuState) -> DeviceModel:
+def device_model(
+    gpu: GpuSpec, overrides: Mapping[str, int], *, fused: bool, simulated: StateBytes, per_gpu: PerGpuState, release: TorchRelease | None = None
+) -> DeviceModel:
     """The device model for ``gpu``: ``simulated`` is the state the timeline holds (the model's own
     dtypes on one GPU), ``per_gpu`` what one GPU holds under the recipe and sharding stage."""
     ratio = lambda per, sim: Fraction(per, sim) if sim else Fraction(1)
-    state = ratio(per_gpu.optimizer.nbytes, simulated.optimizer) if simulated.optimizer else ratio(per_gpu.gradients.nbytes, simulated.gradients)
+    state = (
+        ratio(per_gpu.optimizer.nbytes, simulated.optimizer)
+        if simulated.optimizer
+        else ratio(per_gpu.gradients.nbytes, simulated.gradients)
+    )
     scale = {
         Category.PARAMETER: ratio(per_gpu.weights.nbytes, simulated.weights),
         Category.GRADIENT: ratio(per_gpu.gradients.nbytes, simulated.gradients),
         Category.OPTIMIZER_STATE: state,
     }
     extra = tuple(
-        (name, line.nbytes, line.why) for name, line in (("master weights", per_gpu.master), ("gathered parameters", per_gpu.gathered)) if line.nbytes
+        (name, line.nbytes, line.why)
+        for name, line in (("master weights", per_gpu.master), ("gathered parameters", per_gpu.gathered))
+        if line.nbytes
     )
-    overheads = cuda_overheads(gpu).with_overrides(overrides)
+    overheads = cuda_overheads(gpu, release=release).with_overrides(overrides)
     return DeviceModel(gpu, overheads, host_scalars=not fused, scale=scale, extra=extra)
 
 
 def replay_step(timeline: Timeline, batch: int, seq: int | None, model: DeviceModel) -> DevicePeak:
     """Replay the step at ``batch`` through the caching allocator, on top of the fixed costs."""
+    if not _runs_cudnn(timeline):
+        model = replace(model, overheads=model.overheads.without("cudnn_kernels"))
     initial = list(_initial(timeline, batch, seq, model))
     events = list(_events(timeline.events, batch, seq, model))
     result = replay(events, initial=initial)
@@ -99,6 +110,14 @@ def replay_step(timeline: Timeline, batch: int, seq: int | None, model: DeviceMo
         overheads=tuple(model.overheads.lines()),
         extra=model.extra,
     )
+
+
+_CUDNN_OPS = frozenset({"aten.convolution", "aten._cudnn_rnn", "aten._scaled_dot_product_cudnn_attention", "aten.cudnn_batch_norm"})
+"""The ops of a cuda-target step that call cuDNN, whose kernels are then loaded (CUDNN_KERNELS_BYTES)."""
+
+
+def _runs_cudnn(timeline: Timeline) -> bool:
+    return any(c.op in _CUDNN_OPS for c in timeline.costs) or any(e.op in _CUDNN_OPS for e in timeline.events)
 
 
 def _initial(timeline: Timeline, batch: int, seq: int | None, model: DeviceModel) -> Iterator[tuple[int, int]]:

@@ -23,6 +23,17 @@ Note [Exporting a meta model on the CPU's kernels]
     private, wrapped only during the export and only if it exists), with CPU example inputs. No
     memory is allocated; the exported program still holds the meta parameters.
 
+Note [Outputs behind a cast that was a no-op when exported]
+    The graph is exported in the model's own dtype, where ``logits.float()`` on float32 logits
+    returns the tensor itself; export still records an ``aten.to`` node, and because it returned the
+    same tensor, every later use of the logits, the graph's output included, now reads that node.
+    Under autocast the cast is real, and which of the two the user's code returned matters: the caller
+    holds it for the whole step. Hugging Face models (transformers 5) return the logits as the head
+    made them and cast only inside their loss function, so an output that reads such a node is given
+    back its source. Measured on an H200 (GPT-2 under bf16 autocast, shared/gpu/steps_h200.json): what
+    is alive after the loss holds the bf16 logits, 5,120,000 B at B=4, not their fp32 copy. A model
+    that returns ``logits.float()`` itself holds 2 bytes per element more than fxmem then counts.
+
 Note [Exporting the eager step's code paths]
     The measured truth is the model's eager forward, and some libraries take other code paths when
     they detect tracing (see Note [Eager code paths under torch.export] in hf_paths.py for Hugging Face
@@ -250,8 +261,23 @@ def _clean(gm: fx.GraphModule) -> None:
             gm.graph.erase_node(n)
             continue
         n.args, n.kwargs = map_aggregate(n.args, to_cpu), map_aggregate(n.kwargs, to_cpu)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    output.args = map_aggregate(output.args, _before_noop_cast)
     gm.graph.lint()
     gm.recompile()
+
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout)
+
+
+def _before_noop_cast(a: Any) -> Any:
+    """The source of an output that reads a dtype cast which changed nothing at export time.
+    See Note [Outputs behind a cast that was a no-op when exported]."""
+    if not (isinstance(a, fx.Node) and a.target in _CASTS and a.args and isinstance(a.args[0], fx.Node)):
+        return a
+    before, after = a.args[0].meta.get("val"), a.meta.get("val")
+    same = isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
+    return a.args[0] if same and not a.kwargs.get("copy", False) else a
 
 
 def _export_error(name: str, model: nn.Module, e: Exception) -> TraceError:

@@ -58,12 +58,13 @@ class Loss:
         return leaves[0]
 
     def make_target(self, output: torch.Tensor) -> torch.Tensor | None:
-        """A target for ``output`` (fake under FakeTensorMode): zero class indices, or random floats."""
+        """A target for ``output`` on its device (fake under FakeTensorMode): zero class indices, or random floats."""
         spec = self.target(output)
         if spec is None:
             return None
         shape, dtype = spec
-        return torch.randn(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+        make = torch.randn if dtype.is_floating_point else torch.zeros
+        return make(shape, dtype=dtype, device=output.device)
 
 
 def _no_target(out: torch.Tensor) -> None:
@@ -119,7 +120,13 @@ LOSSES: dict[str, Loss] = {
             _class_last,
             _lm_cross_entropy,
         ),
-        Loss("model", "the model's own loss (its .loss, or its scalar output): what it saves is in the graph", _no_target, lambda out, _t: out, own=True),
+        Loss(
+            "model",
+            "the model's own loss (its .loss, or its scalar output): what it saves is in the graph",
+            _no_target,
+            lambda out, _t: out,
+            own=True,
+        ),
         Loss("auto", "the model's own loss where its output has one, else sum", _no_target, lambda out, _t: out.sum(), own=None),
     )
 }

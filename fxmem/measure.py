@@ -31,7 +31,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -186,6 +186,11 @@ class PeakMeasurement:
     """Bytes alive when the step starts."""
     breakdown: dict[str, int]
     """Live bytes at the peak by the profiler's own categories (``"unknown"`` where it has none)."""
+    requested: int | None = None
+    """On a GPU: the peak of the caching allocator's requested bytes (``requested_bytes.all.peak``), the
+    same step's figure before the allocator's rounding; ``bytes`` is ``max_memory_allocated``."""
+    phases: dict[Phase, int] = field(default_factory=dict)
+    """On a GPU: ``max_memory_allocated`` within each phase."""
 
 
 _PHASE_RANGE = "fxmem::"
@@ -225,7 +230,11 @@ def measure_peak(
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     name = type(model).__name__
-    with _real_run(model, batch), torch.no_grad(), warnings.catch_warnings():  # the target's shape comes from the output; the data loader made it beforehand
+    with (
+        _real_run(model, batch),
+        torch.no_grad(),
+        warnings.catch_warnings(),
+    ):  # the target's shape comes from the output; the data loader made it beforehand
         warnings.filterwarnings("ignore", "None of the inputs have requires_grad")  # a reentrant checkpoint's, true of any no_grad forward
         target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
     with _real_run(model, batch):
@@ -237,8 +246,10 @@ def measure_peak(
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
     if torch.device(device).type == "cuda":
         with _real_run(model, batch, "CUDA"):
-            top, phase = _cuda_peak(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around, autocast))
-        return PeakMeasurement(batch, first_step, top, phase, baseline, {})
+            peaks = _cuda_peaks(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around, autocast))
+        phase = max(peaks, key=lambda p: peaks[p][0])
+        allocated = {p: top for p, (top, _) in peaks.items()}
+        return PeakMeasurement(batch, first_step, allocated[phase], phase, baseline, {}, max(r for _, r in peaks.values()), allocated)
     with _real_run(model, batch), _quiet_stderr(), _profiled() as prof:
         _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
     top, at, phase = _highest(prof)
@@ -253,9 +264,9 @@ def _profiler_range(phase: Phase) -> AbstractContextManager[object]:
     return torch.profiler.record_function(_PHASE_RANGE + phase.value)
 
 
-def _cuda_peak(step: Callable[[Around], None]) -> tuple[int, Phase]:
-    """The step's highest ``torch.cuda.max_memory_allocated`` and the phase it was reached in."""
-    peaks: dict[Phase, int] = {}
+def _cuda_peaks(step: Callable[[Around], None]) -> dict[Phase, tuple[int, int]]:
+    """Per phase of the step: (``torch.cuda.max_memory_allocated``, the peak of requested bytes)."""
+    peaks: dict[Phase, tuple[int, int]] = {}
 
     @contextlib.contextmanager
     def around(phase: Phase) -> Iterator[None]:
@@ -263,11 +274,11 @@ def _cuda_peak(step: Callable[[Around], None]) -> tuple[int, Phase]:
         torch.cuda.reset_peak_memory_stats()
         yield
         torch.cuda.synchronize()
-        peaks[phase] = int(torch.cuda.max_memory_allocated())
+        stats = torch.cuda.memory_stats()
+        peaks[phase] = (int(stats["allocated_bytes.all.peak"]), int(stats["requested_bytes.all.peak"]))
 
     step(around)
-    phase = max(peaks, key=lambda p: peaks[p])
-    return peaks[phase], phase
+    return peaks
 
 
 def _autocast(device_type: str, amp: str | None) -> Callable[[], contextlib.AbstractContextManager[object]]:
@@ -304,8 +315,14 @@ def _profiled() -> torch.profiler.profile:
 
 
 def _real_step(
-    model: nn.Module, args: list[torch.Tensor], kwargs: dict[str, torch.Tensor], loss: Loss, target: torch.Tensor | None,
-    opt: torch.optim.Optimizer, name: str, around: Around,
+    model: nn.Module,
+    args: list[torch.Tensor],
+    kwargs: dict[str, torch.Tensor],
+    loss: Loss,
+    target: torch.Tensor | None,
+    opt: torch.optim.Optimizer,
+    name: str,
+    around: Around,
     autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
 ) -> None:
     """The step users write, each phase wrapped by ``around``; ``out`` and the loss live until its end.

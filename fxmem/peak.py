@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fxmem.device import DeviceModel, replay_step
 from fxmem.errors import CaptureError
-from fxmem.results import Category, DevicePeak, EnvelopePiece, Peak, Phase, Timeline
+from fxmem.results import Category, DevicePeak, EnvelopePiece, EstimatedBytes, Peak, Phase, Timeline
 from fxmem.symbolic import ByteExpr
 from fxmem.timeline import steady_step
 
@@ -192,10 +192,11 @@ class StepPeaks:
         timeline = pts.timeline
         breakdown = _breakdown(timeline, index, batch, self.seq)
         device = self.device_peak(batch, first_step=first_step)
+        estimated, upper = _estimated(timeline, index, batch, self.seq)
         if index < 0:
-            return Peak(batch, top, first_step, _NO_PHASE, "", "", "", breakdown, device=device)
+            return Peak(batch, top, first_step, _NO_PHASE, "", "", "", breakdown, device=device, estimated=estimated, upper=upper)
         e = timeline.events[index]
-        return Peak(batch, top, first_step, e.phase, e.node, e.fqn, e.op, breakdown, index, device)
+        return Peak(batch, top, first_step, e.phase, e.node, e.fqn, e.op, breakdown, index, device, estimated, upper)
 
     def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
         """The peak's pieces for B >= 2 where the symbolic timeline is linear in B; else ()."""
@@ -204,6 +205,37 @@ class StepPeaks:
             return ()
         pts = self._points_for(2, first_step) if 2 not in self.exact else points(symbolic if first_step else steady_step(symbolic))
         return envelope(pts) if pts.linear else ()
+
+
+def _estimated(timeline: Timeline, index: int, batch: int, seq: int | None) -> tuple[tuple[EstimatedBytes, ...], int | None]:
+    """The estimated workspaces alive right after event ``index``, and the step's peak with every
+    estimated workspace at its bound (None where the step has none). See ``results.Estimated``."""
+    if not any(e.bound is not None for e in timeline.events):
+        return (), None
+    level = sum(n.at(batch, seq) for n in timeline.baseline.values())
+    extra: dict[int, int] = {}
+    what: dict[int, str] = {}
+    sizes: dict[int, int] = {}
+    upper, at_peak = level, tuple[EstimatedBytes, ...]()
+    for i, e in enumerate(timeline.events):
+        n = e.nbytes.at(batch, seq)
+        if e.alloc:
+            sizes[e.storage] = n
+            level += n
+            if e.bound is not None:
+                extra[e.storage] = max(0, e.bound.at(batch) - n)
+                what[e.storage] = e.bound.what
+        else:
+            level -= sizes.pop(e.storage, 0)
+            extra.pop(e.storage, None)
+        upper = max(upper, level + sum(extra.values()))
+        if i == index:
+            at_peak = tuple(
+                EstimatedBytes(what[x.storage], x.node, x.fqn, x.op, sizes[x.storage], sizes[x.storage] + extra[x.storage])
+                for x in timeline.events[: i + 1]
+                if x.alloc and x.storage in extra
+            )
+    return at_peak, upper
 
 
 def _breakdown(timeline: Timeline, index: int, batch: int, seq: int | None) -> dict[Category, int]:

@@ -293,7 +293,25 @@ def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
         [f"GPU at {at}", format_bytes(d.total), f"nvidia-smi total; max_memory_allocated {format_bytes(d.allocated)}, reserved {format_bytes(d.reserved)}"],
     ]
     lines += [[f"+ {name}", format_bytes(n), why] for name, n, why in d.overheads if n]
-    return _per_gpu_lines(report) + lines
+    return _per_gpu_lines(report) + lines + _estimate_lines(report.peak(b))
+
+
+def _estimate_lines(p: Peak) -> list[list[str]]:
+    """The workspaces the peak holds that are estimates (cuDNN picks its engine when it runs), with their
+    bounds, and the step's peak were each at its bound: a named line, never a silent figure."""
+    if p.upper is None:
+        return []
+    rise = f"with every such workspace at its bound the step's peak would be {format_bytes(p.upper)}, not {format_bytes(p.bytes)}"
+    if not p.estimated:
+        return [["Estimated workspaces", "", f"cuDNN convolution workspaces are estimates (its engine is cuDNN's choice at run time); {rise}"]]
+    return [
+        [
+            "Estimated at the peak",
+            format_bytes(x.nbytes),
+            f"{x.what} of {x.fqn or x.node} ({x.op.split()[0]}), its engine cuDNN's choice at run time: at most {format_bytes(x.bound)}; {rise}",
+        ]
+        for x in p.estimated
+    ]
 
 
 def _per_gpu_lines(report: Report) -> list[list[str]]:
@@ -410,6 +428,8 @@ def _peak_dict(report: Report) -> dict[str, Any]:
             "breakdown": {c.value: n for c, n in p.breakdown.items()},
             "split": {"state": p.state, "activations": p.saved, "temporaries": p.temporaries, "inputs": p.inputs},
             "device": _device_dict(p.device),
+            "estimated": [{"what": x.what, "node": x.node, "layer": x.fqn, "op": x.op, "bytes": x.nbytes, "at_most": x.bound} for x in p.estimated],
+            "with_estimates_at_their_bounds": p.upper,
             "envelope": [
                 {"from_batch": e.first_batch, "to_batch": e.last_batch, "per_sample": e.per_sample, "constant": e.fixed, "phase": e.phase.value, "node": e.node}
                 for e in report.envelope(first_step=first)
@@ -450,7 +470,7 @@ def _setup_dict(report: Report) -> dict[str, Any] | None:
         return None
     return {
         "target": t.target, "gpu": t.gpu if t.cuda else None, "amp": t.amp, "precision": t.recipe,
-        "world_size": t.world_size, "shard": t.shard, "optimizer_impl": t.optimizer_impl,
+        "world_size": t.world_size, "shard": t.shard, "optimizer_impl": t.optimizer_impl, "torch_version": t.torch_version,
     }  # fmt: skip
 
 

@@ -23,6 +23,8 @@ __all__ = [
     "Category",
     "DevicePeak",
     "EnvelopePiece",
+    "Estimated",
+    "EstimatedBytes",
     "Kind",
     "LayerRow",
     "MemoryEvent",
@@ -38,6 +40,7 @@ __all__ = [
     "Timeline",
     "Unsupported",
     "Verdict",
+    "WorkspaceBound",
     "WorkspaceLines",
 ]
 
@@ -104,6 +107,9 @@ class MemoryEvent:
     op: str
     storage: int
     """A number per storage, the same for its allocation and its release."""
+    bound: WorkspaceBound | None = field(default=None, compare=False, repr=False)
+    """For a kernel workspace whose size is an estimate (the library picks its engine when it runs):
+    what it is and the most it can be. None where the size is known."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,35 @@ class WorkspaceLines:
 
     lines: tuple[object, ...]
     exact_at: Callable[[int], bool] = lambda batch: True
+
+
+@dataclass(frozen=True)
+class WorkspaceBound:
+    """An estimated workspace's name ("cuDNN convolution workspace") and ``at(batch)``, the most it can be."""
+
+    what: str
+    at: Callable[[int], int]
+
+
+@dataclass(frozen=True)
+class Estimated:
+    """What a workspace rule returns where the library chooses the kernel at run time: its best estimate
+    (bytes, or ``WorkspaceLines``), charged like any workspace, and its bound."""
+
+    found: object
+    bound: WorkspaceBound
+
+
+@dataclass(frozen=True)
+class EstimatedBytes:
+    """An estimated workspace alive at a peak: what fxmem charged and the most it could be (``bound``)."""
+
+    what: str
+    node: str
+    fqn: str
+    op: str
+    nbytes: int
+    bound: int
 
 
 @dataclass(frozen=True)
@@ -210,6 +245,10 @@ class Peak:
     """Index of the allocation at the peak in its timeline's ``events`` (-1: the baseline, before any)."""
     device: DevicePeak | None = None
     """For a cuda target: the same step through the GPU's allocator, with its fixed costs."""
+    estimated: tuple[EstimatedBytes, ...] = ()
+    """Estimated workspaces alive at the peak (a cuDNN convolution's), each with its bound."""
+    upper: int | None = None
+    """Where the step has estimated workspaces: its peak with each of them at its bound; else None."""
 
     @property
     def state(self) -> int:

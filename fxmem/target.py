@@ -1,17 +1,23 @@
-"""What a CUDA device runs, emulated on fake CPU tensors: SDPA's backend, fused dropout, autocast.
+"""What a CUDA device runs, emulated on fake CPU tensors: its kernels' choices and autocast.
 
 A cuda-target pass cannot use cuda tensors (fake tensors on 'cuda' abort a CPU build; see NOTES.md),
-so the forward and the loss run on fake CPU tensors inside ``CudaTargetMode``, which makes the three
+so the forward and the loss run on fake CPU tensors inside ``CudaTargetMode``, which makes the
 choices where CUDA differs from the CPU in what autograd saves, and calls the CUDA kernels' own ATen
-ops (their meta kernels run on fake CPU tensors) so that autograd itself says what they save:
+ops (their meta kernels run on fake CPU tensors) so that autograd itself says what they save. The
+calls it handles are in ``_KERNELS``:
 
-- ``scaled_dot_product_attention`` takes the backend ``select_sdp_backend`` would pick
-  (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp), see Note [SDPA on the cuda target];
+- ``scaled_dot_product_attention`` takes the backend ``select_sdp_backend`` would pick for the torch
+  release the job runs (fxmem/rules/sdpa.py, Note [SDPA on the cuda target]);
 - ``dropout`` is the fused ``native_dropout`` with a 1-byte mask (``dropout`` in
   aten/src/ATen/native/Dropout.cpp takes it when ``is_fused_kernel_acceptable``: a CUDA input);
+- ``lstm``, ``gru`` and the plain RNNs run cuDNN's ``_cudnn_rnn`` (fxmem/rules/cudnn_rnn.py);
+- ``cross_entropy`` under autocast runs as its composite does (Note [Cross-entropy under CUDA autocast]);
 - with ``amp``, CUDA autocast's cast policy and weight-cast cache (aten/src/ATen/autocast_mode.cpp,
   the lists in aten/src/ATen/autocast_mode.h); ``torch.autocast('cuda')`` is off on a CPU build and
   CPU autocast has another op list.
+
+What the kernels allocate besides their outputs, and outputs whose meta kernels under-report them (the
+RNN reserve, batch norm's fp32 statistics), are op and workspace rules (fxmem/rules/ops.py).
 
 Why a TorchFunctionMode: it sits above autograd, as the Autocast dispatch key and the
 CompositeImplicitAutograd ``scaled_dot_product_attention`` do (c10/core/DispatchKey.h orders Autocast
@@ -26,20 +32,20 @@ Note [cudnn batch norm]
     save_mean and save_invstd. Weights and running stats are state, the input is the same tensor,
     save_mean/save_var are fp32 (C,) vectors in both, and the reserve of plain BN (no fused add or
     activation, as ``cudnn_batch_norm`` asks for) is 0 bytes. The bytes are equal, so batch norm is
-    left as it is. CUDA autocast does not list batch_norm: it runs in its input's dtype, as here.
+    left as it is, but for one thing: for a bf16 input CUDA's statistics stay fp32 and the CPU's fake
+    kernel makes them bf16 (a rule mends it: Note [Batch-norm statistics on CUDA] in
+    fxmem/rules/cuda_norms.py). CUDA autocast does not list batch_norm: it runs in its input's dtype.
 
 Limits, each a choice: feature dropout (dropout1d/2d/3d), alpha dropout and in-place dropout run as
 on the CPU, as on CUDA (``dropout_`` and ``feature_dropout`` in Dropout.cpp never take the fused
-kernel). The inner calls of ``F.multi_head_attention_forward`` (a Python function that reaches the mode
-whole) are seen one by one, as the dispatcher sees them (see ``_REENTERED``); other Python functions are
-not re-entered. The math path's dropout is the CPU's (a noise tensor in the input's dtype).
+kernel). The inner calls of ``F.multi_head_attention_forward`` and ``torch.norm`` (Python functions
+that reach the mode whole) are seen one by one, as the dispatcher sees them (see ``_REENTERED``); other
+Python functions are not re-entered.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
-from enum import StrEnum
 from types import FunctionType
 from typing import Any
 
@@ -49,131 +55,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["CudaTargetMode", "SdpBackend", "choose_sdp_backend"]
+from fxmem.rules import TorchRelease
+from fxmem.rules.cudnn_rnn import rnn_kernel
+from fxmem.rules.sdpa import Capability, SdpBackend, choose_sdp_backend, run_sdpa
+
+__all__ = ["CudaTargetMode", "SdpBackend", "choose_sdp_backend"]  # the last two re-exported from fxmem.rules.sdpa
 
 aten = torch.ops.aten
-Capability = tuple[int, int]
-
-
-class SdpBackend(StrEnum):
-    """The kernels of ``select_sdp_backend`` this module emulates, in its priority order."""
-
-    FLASH = "flash"
-    EFFICIENT = "efficient"
-    MATH = "math"
-
-
-# Note [SDPA on the cuda target]
-#     The default priority order is flash, memory-efficient, math (``select_sdp_backend``). Where
-#     ``check_prefer_cudnn_attention`` holds (sm90/sm100 with cuDNN > 9.15) cuDNN attention comes
-#     first; it saves the same q, k, v, out and fp32 (B, H, S) statistics as flash (its philox seed
-#     and offset are 8 bytes smaller), so flash stands for it. Each check below names its function in
-#     sdp_utils.cpp / sdp_utils_cpp.h. A size that is symbolic passes a check only when it is known
-#     to (``TORCH_GUARD_OR_FALSE``), except pointer alignment, assumed (``TORCH_GUARD_OR_TRUE``).
-_FLASH_MAX_HEAD_DIM = 256  # check_head_dim_size_flash
-_FLASH_SM = ((8, 0), (12, 1))  # check_flash_attention_hardware_support: [sm80, sm121]
-_EFFICIENT_SM = ((5, 0), (12, 1))  # check_mem_efficient_hardware_support: [sm50, sm121]
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def choose_sdp_backend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    enable_gqa: bool,
-    capability: Capability,
-) -> SdpBackend:
-    """The backend CUDA's ``select_sdp_backend`` picks for these inputs on an sm``capability`` GPU.
-
-    >>> q = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta")
-    >>> str(choose_sdp_backend(q, q, q, attn_mask=None, dropout_p=0.0, is_causal=True, enable_gqa=False, capability=(9, 0)))
-    'flash'
-    """
-    if _dense_ok(query, key, value, enable_gqa) and _can_use_flash(query, key, value, attn_mask, dropout_p, is_causal, capability):
-        return SdpBackend.FLASH
-    if _dense_ok(query, key, value, False) and _can_use_efficient(query, key, value, capability):
-        return SdpBackend.EFFICIENT  # efficient checks heads with supports_gqa=false: equal heads, enable_gqa or not
-    return SdpBackend.MATH
-
-
-def _known(condition: Any) -> bool:
-    return bool(statically_known_true(condition))
-
-
-def _dense_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> bool:
-    """check_tensor_shapes (4-D), check_batch_size_and_num_heads_dense and check_nonzero_sequence_lengths_dense.
-
-    ``gqa`` is ``enable_gqa and supports_gqa``: flash instantiates the heads check with GQA support, so
-    32 query heads over 8 key heads pass where GQA is asked for; efficient instantiates it without, so
-    it demands equal heads even then, and a GQA call that misses flash falls to math, which repeats k and v.
-    """
-    if not q.dim() == k.dim() == v.dim() == 4:
-        return False
-    if not (_known(q.shape[0] == k.shape[0]) and _known(q.shape[0] == v.shape[0])):
-        return False
-    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
-    heads = _known(hk == hv) and _known(hq % hk == 0) if gqa else _known(hq == hk) and _known(hq == hv)
-    return heads and all(_known(t.shape[2] > 0) for t in (q, k, v))
-
-
-def _in_range(capability: Capability, bounds: tuple[Capability, Capability]) -> bool:
-    """check_sm_version<lower, upper>: inclusive on (major, minor)."""
-    return bounds[0] <= capability <= bounds[1]
-
-
-def _can_use_flash(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, p: float, causal: bool, cap: Capability
-) -> bool:
-    """can_use_flash_attention's checks, in its order."""
-    d = q.shape[-1]
-    if mask is not None:  # check_for_attn_mask
-        return False
-    if not (_known(d == k.shape[-1]) and _known(d == v.shape[-1]) and _known(d <= _FLASH_MAX_HEAD_DIM)):
-        return False
-    if not _in_range(cap, _FLASH_SM):
-        return False
-    sm86_89_or_120 = _in_range(cap, ((8, 6), (8, 9))) or _in_range(cap, ((12, 0), (12, 1)))
-    if sm86_89_or_120 and _grad_wanted(q, k, v) and not (_known(d <= 192) or (p == 0.0 and _known(d > 224))):
-        return False  # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120
-    if causal and not _known(q.shape[-2] == k.shape[-2]):  # check_flash_causal_non_square_seqlens
-        return False
-    if not all(t.dtype in _HALF for t in (q, k, v)):  # check_dtypes_flash_attention (sm80+)
-        return False
-    return all(_known(t.stride(-1) == 1) or _known(t.shape[-1] == 1) for t in (q, k, v))
-
-
-def _can_use_efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: Capability) -> bool:
-    """can_use_mem_efficient_attention's checks, in its order."""
-    if not _in_range(cap, _EFFICIENT_SM):
-        return False
-    align = _gemm_alignment(q.dtype, cap)
-    d, dv = q.shape[-1], v.shape[-1]
-    if not (_known(d == k.shape[-1]) and _known(d % align == 0) and _known(dv % align == 0) and _known(d > 0)):
-        return False  # check_head_dim_size_mem_efficient: no upper bound on CUDA
-    if cap >= (8, 0) and any(_known(t.storage_offset() % align != 0) for t in (q, k, v)):
-        return False  # check_data_ptr_alignment_mem_efficient (offset * element size vs alignment bytes)
-    if not all(_known(t.stride(-1) == 1) for t in (q, k, v)):  # check_last_dim_stride_equals_1_dense<false>
-        return False
-    dtypes = (torch.float16, torch.float32, torch.bfloat16) if cap >= (8, 0) else (torch.float16, torch.float32)
-    return all(t.dtype in dtypes for t in (q, k, v))
-
-
-def _gemm_alignment(dtype: torch.dtype, cap: Capability) -> int:
-    """minimum_gemm_alignment: 4 from sm80, raised to 128 bits of a scalar where tensor cores run
-    (sm80+, or sm70+ for half types): 8 for fp16/bf16, 4 for fp32 on sm80+; 1 for fp32 below sm80."""
-    half = dtype in _HALF
-    alignment = 4 if cap[0] >= 8 else 1
-    tensor_cores = cap[0] >= 8 or (cap[0] >= 7 and half)
-    return max(alignment, 128 // (16 if half else 32)) if tensor_cores else alignment
-
-
-def _grad_wanted(*ts: torch.Tensor) -> bool:
-    """should_compute_logsumexp / input_requires_grad: some input requires grad and grad mode is on."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def _names(text: str) -> frozenset[str]:
@@ -197,7 +85,7 @@ _FP32 = _names(
     "_upsample_nearest_exact1d upsample_nearest2d _upsample_nearest_exact2d upsample_nearest3d "
     "_upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d _upsample_bilinear2d_aa "
     "upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa "
-    # cross_entropy is not listed: its composite runs log_softmax and nll_loss, both fp32 below.
+    # Not CUDA's: cross_entropy is, for the cases Note [Cross-entropy under CUDA autocast] leaves whole.
     "cross_entropy cross_entropy_loss norm"
 )
 _FP32_UNLESS_DTYPE = _names("prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum")
@@ -223,14 +111,20 @@ def _never(*args: object) -> bool:
     return False
 
 
-_REENTERED = frozenset({"multi_head_attention_forward"})
-"""Python functions of torch.nn.functional whose body calls the ops this mode changes (linear, SDPA,
-dropout) and which reach the mode whole. Only these are re-entered: re-entering every F function loops
-forever on ``boolean_dispatch`` wrappers (``max_pool2d``), whose inner function asks the mode again."""
+_REENTERED = {
+    "torch.nn.functional": frozenset({"multi_head_attention_forward"}),
+    "torch.functional": frozenset({"norm"}),
+    "torch._tensor": frozenset({"norm"}),
+}
+"""Python functions of torch, by module, whose body calls ops this mode changes (linear, SDPA, dropout,
+the autocast lists) and which reach the mode whole: ``torch.norm`` (and ``Tensor.norm``) runs
+``linalg.vector_norm`` or ``matrix_norm``, which autocast gives ``dtype=float32`` where ``norm`` itself
+would be cast to float32. Only these are re-entered: re-entering every F function loops forever on
+``boolean_dispatch`` wrappers (``max_pool2d``), whose inner function asks the mode again."""
 
 
 def _unguarded(func: FunctionType) -> FunctionType:
-    """A copy of a Python function of torch.nn.functional that skips its ``has_torch_function`` test,
+    """A copy of a Python function of torch that skips its ``has_torch_function`` test,
     so that, run inside the mode, its body's calls reach the mode one by one instead of the whole
     function being handed to it again (a mode's handler runs with the mode popped)."""
     scope = dict(func.__globals__, has_torch_function=_never, has_torch_function_unary=_never, has_torch_function_variadic=_never)
@@ -256,24 +150,25 @@ class CudaTargetMode(TorchFunctionMode):
     CUDA GPU; ``amp`` is the autocast dtype, None without autocast. One instance is one autocast
     region: its weight-cast cache lives as long as the instance."""
 
-    def __init__(self, *, compute_capability: Capability, amp: torch.dtype | None = None) -> None:
+    def __init__(self, *, compute_capability: Capability, amp: torch.dtype | None = None, release: TorchRelease | None = None) -> None:
         super().__init__()
         self.capability = compute_capability
         self.amp = amp
+        self.release = release
+        """The torch release whose kernel choices to follow (None: the one fxmem runs with)."""
         self._casts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._bodies: dict[Callable[..., Any], FunctionType] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = _op_name(func)
-        if name == "scaled_dot_product_attention":
-            return self._sdpa(*self._autocast(name, args, kwargs))
-        if name == "dropout":
-            return self._dropout(func, args, kwargs)
+        kernel = _KERNELS.get(name) if name is not None else None
+        if kernel is not None:
+            return kernel(self, func, args, kwargs)
+        if isinstance(func, FunctionType) and func.__name__ in _REENTERED.get(func.__module__, ()):
+            return self._reenter(func, args, kwargs)  # its inner calls meet autocast one by one
         if self.amp is not None and name is not None:
-            args, kwargs = self._autocast(name, args, kwargs)
-        if isinstance(func, FunctionType) and func.__name__ in _REENTERED and func.__module__ == "torch.nn.functional":
-            return self._reenter(func, args, kwargs)
+            args, kwargs = self.autocast(name, args, kwargs)
         return func(*args, **kwargs)
 
     def _policy(self, name: str | None) -> torch.dtype | str | None:
@@ -286,17 +181,13 @@ class CudaTargetMode(TorchFunctionMode):
             return torch.float32
         return "fp32_unless_dtype" if name in _FP32_UNLESS_DTYPE else "promote" if name in _PROMOTE else None
 
-    def _autocast(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Sequence[Any], Mapping[str, Any]]:
+    def autocast(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Sequence[Any], Mapping[str, Any]]:
         """The arguments as CUDA autocast casts them for op ``name`` (unchanged without amp)."""
         policy = self._policy(name)
         if policy is None:
             return args, kwargs
         if policy == "fp32_unless_dtype":
-            named_dtype = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
-            first = args[0] if args else None
-            if named_dtype or not (isinstance(first, torch.Tensor) and _eligible(first)):
-                return args, kwargs
-            policy = torch.float32
+            return args, _in_float32(args, kwargs)
         if policy == "promote":
             tensors = [t for t in _tensors(args, kwargs) if _eligible(t)]
             policy = torch.float32 if any(t.dtype == torch.float32 for t in tensors) else self.amp
@@ -326,22 +217,75 @@ class CudaTargetMode(TorchFunctionMode):
         """The fused ``native_dropout`` (a bool mask) where CUDA's ``dropout`` takes it, else ``func``."""
         a = _bind(("input", "p", "training", "inplace"), {"p": 0.5, "training": True, "inplace": False}, args, kwargs)
         x, p, training = a["input"], float(a["p"]), bool(a.get("train", a["training"]))
-        if not (training and 0.0 < p < 1.0 and not a["inplace"]) or _known(x.numel() == 0):
+        if not (training and 0.0 < p < 1.0 and not a["inplace"]) or statically_known_true(x.numel() == 0):
             return func(*args, **kwargs)
         return aten.native_dropout(x, p, True)[0]
 
-    def _sdpa(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor:
+    def _cross_entropy(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """Under autocast, ``cross_entropy`` as its composite runs. See Note [Cross-entropy under CUDA autocast]."""
+        aten_op = isinstance(func, torch._ops.OpOverload)
+        a = _bind(_CE_ATEN_ARGS, _CE_ATEN_DEFAULTS, args, kwargs) if aten_op else _bind(_CE_ARGS, _CE_DEFAULTS, args, kwargs)
+        x, target = a["self"] if aten_op else a["input"], a["target"]
+        composite = self.amp is not None and isinstance(x, torch.Tensor) and _eligible(x) and x.dtype != torch.float32
+        if not composite or target.is_floating_point() or float(a["label_smoothing"]) != 0.0:
+            args, kwargs = self.autocast("cross_entropy", args, kwargs)
+            return func(*args, **kwargs)
+        with self:
+            log_probs = torch.log_softmax(x, 0 if x.dim() == 1 else 1, dtype=x.dtype)
+            reduction = _REDUCTIONS[a["reduction"]] if aten_op else a["reduction"]
+            legacy = {} if aten_op else {"size_average": a["size_average"], "reduce": a["reduce"]}
+            return F.nll_loss(log_probs, target, a["weight"], ignore_index=a["ignore_index"], reduction=reduction, **legacy)
+
+    def _sdpa(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> torch.Tensor:
+        args, kwargs = self.autocast("scaled_dot_product_attention", args, kwargs)
         a = _bind(_SDPA_ARGS, _SDPA_DEFAULTS, args, kwargs)
-        q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
-        p, causal, scale, gqa = float(a["dropout_p"]), bool(a["is_causal"]), a["scale"], bool(a["enable_gqa"])
-        backend = choose_sdp_backend(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, enable_gqa=gqa, capability=self.capability)
-        if backend == SdpBackend.FLASH:
-            return _flash(q, k, v, p, causal, scale)
-        mask = _additive_mask(mask, q.dtype)
-        if backend == SdpBackend.EFFICIENT:
-            bias = None if mask is None else _mem_efficient_bias(mask, q, k)
-            return aten._scaled_dot_product_efficient_attention(q, k, v, bias, _grad_wanted(q, k, v), p, causal, scale=scale)[0]
-        return aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, None, scale=scale, enable_gqa=gqa)[0]
+        return run_sdpa(
+            a["query"], a["key"], a["value"], attn_mask=a["attn_mask"], dropout_p=float(a["dropout_p"]), is_causal=bool(a["is_causal"]),
+            scale=a["scale"], enable_gqa=bool(a["enable_gqa"]), capability=self.capability, version=self.release,
+        )  # fmt: skip
+
+
+# Note [Cross-entropy under CUDA autocast]
+#     CUDA autocast lists no cross-entropy: ``cross_entropy_loss`` is a composite (LossNLL.cpp) whose
+#     inner calls meet the autocast key one by one. It calls ``log_softmax(input, class_dim,
+#     input.scalar_type())``: log_softmax is fp32_set_opt_dtype, which leaves a call that names its
+#     dtype alone, so the log-probabilities are computed, and saved by LogSoftmaxBackward0, in bf16;
+#     ``nll_loss`` is an fp32 op, so it casts them to fp32 and saves that copy. A bf16 logit thus costs
+#     2 + 4 bytes until backward, where casting the logits first would keep 4. Measured on an H200
+#     (torch 2.11, shared/gpu/steps_h200.json): LogSoftmaxBackward0 keeps 2 bytes per logit (BERT's
+#     MLM head 1,280,000 B per sample, ResNet-50's 2,000) beside NllLossBackward0's 4. Index targets
+#     without label smoothing run the composite here; probability targets and label smoothing are
+#     run in fp32 whole, 2 bytes per logit under the GPU.
+
+_KERNELS: dict[str, Callable[..., Any]] = {
+    "scaled_dot_product_attention": CudaTargetMode._sdpa,
+    "dropout": CudaTargetMode._dropout,
+    "cross_entropy": CudaTargetMode._cross_entropy,
+    "cross_entropy_loss": CudaTargetMode._cross_entropy,
+    # nn.LSTM / GRU / RNN's _VF calls: cuDNN's, see Note [cuDNN RNN call on fake tensors] in fxmem/rules/cudnn_rnn.py
+    **{name: rnn_kernel(name) for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
+}
+"""The calls a cuda target runs otherwise than the CPU, by op name: each handler takes the mode, the
+function called and its arguments, and returns what the GPU's kernel returns."""
+
+_CE_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+_CE_ATEN_ARGS = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+_CE_ATEN_DEFAULTS = {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0}
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+"""at::Reduction (aten/src/ATen/core/Reduction.h) by its number, as aten.cross_entropy_loss takes it."""
+_CE_DEFAULTS = {"weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean", "label_smoothing": 0.0}
+
+
+def _in_float32(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """fp32_set_opt_dtype (autocast_mode.h): a call that names no output dtype gets ``dtype=float32``;
+    its tensors are not cast. The op computes in float32 from its low-precision input, and autograd keeps
+    that input, not a float32 copy of it (``linalg_vector_norm`` saves ``self`` and its result; softmax
+    converts inside and saves its float32 result)."""
+    named = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+    first = args[0] if args else None
+    if named or not (isinstance(first, torch.Tensor) and _eligible(first)) or first.dtype == torch.float32:
+        return kwargs
+    return {**kwargs, "dtype": torch.float32}
 
 
 def _tensors(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -351,30 +295,3 @@ def _tensors(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tenso
 def _eligible(t: torch.Tensor) -> bool:
     """is_eligible (autocast_mode.h): floating, and not float64."""
     return t.is_floating_point() and t.dtype != torch.float64
-
-
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, causal: bool, scale: float | None) -> torch.Tensor:
-    """The flash branch of ``scaled_dot_product_attention`` (attention.cpp) on CUDA: head dims padded
-    to a multiple of 8 (``pad_last_dim<8, false>``), the scale of the unpadded dim, the output sliced."""
-    d = q.shape[-1]
-    pad = lambda t: t if _known(t.shape[-1] % 8 == 0) else F.pad(t, (0, 8 - t.shape[-1] % 8))
-    og_scale = scale if scale is not None else 1.0 / math.sqrt(d)
-    out = aten._scaled_dot_product_flash_attention(pad(q), pad(k), pad(v), p, causal, False, scale=og_scale)[0]
-    return out if _known(out.shape[-1] == d) else out[..., :d]
-
-
-def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """convert_boolean_attn_mask (attention.cpp): a bool mask becomes 0 / -inf in the query's dtype."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.where(mask, 0.0, torch.scalar_tensor(-math.inf, dtype=dtype))
-
-
-def _mem_efficient_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """preprocess_mask (attention.cpp): pad the last dim unless every stride but the last is a multiple
-    of 8 (a symbolic stride counts as unaligned), slice back, expand to (B, H, L, S)."""
-    aligned = all(isinstance(s, int) and s % 8 == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1
-    if not aligned:
-        s = mask.shape[-1]
-        mask = F.pad(mask, (0, 8 - s % 8))[..., :s]
-    return mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])

@@ -65,7 +65,7 @@ from fxmem.inputs import InputSpec, dtype_name
 from fxmem.losses import Loss
 from fxmem.recompute import SIGNALS as CHECKPOINT_SIGNALS
 from fxmem.recompute import RegionInterpreter
-from fxmem.results import Category, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceLines
+from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
 
@@ -89,7 +89,6 @@ inside, or, with a symbolic batch, ``WorkspaceLines`` (Note [Kernel choices that
 #     envelope over all B (``max_batch``'s search aside) follows the lines.
 
 
-
 _LABEL = "fxmem"
 """Key of the (node, module path) label fxmem puts in each autograd node's ``metadata``."""
 
@@ -103,6 +102,8 @@ class _Storage:
     node: str
     fqn: str
     op: str
+    bound: WorkspaceBound | None = None
+    """For an estimated workspace: what it is and the most it can be (see ``Estimated``)."""
 
 
 @dataclass
@@ -196,11 +197,15 @@ class _Tracker(TorchDispatchMode):
             self.costs.append((self.phase, node, fqn, op, _compute_dtype(args), cost))
         workspace = self.workspaces.get(op)
         found = workspace(args, kwargs, out) if workspace is not None else 0
+        bound: WorkspaceBound | None = None
+        if isinstance(found, Estimated):
+            bound = found.bound
+            found = found.found
         if isinstance(found, WorkspaceLines):
             self.checks.append(found.exact_at)
         for nbytes in found.lines if isinstance(found, WorkspaceLines) else (found,):
             if not (isinstance(nbytes, int) and nbytes == 0):
-                self._transient(nbytes, node, fqn, f"{label} (workspace)")
+                self._transient(nbytes, node, fqn, f"{label} (workspace)", bound)
         return out
 
     def made_outside(self, t: torch.Tensor, op: str) -> None:
@@ -208,9 +213,9 @@ class _Tracker(TorchDispatchMode):
         self.poll()
         self._allocated(t, None, *self._attribution(()), op)
 
-    def _transient(self, nbytes: object, node: str, fqn: str, op: str) -> None:
+    def _transient(self, nbytes: object, node: str, fqn: str, op: str, bound: WorkspaceBound | None = None) -> None:
         """A kernel's workspace: allocated and released within the op, alive with its outputs."""
-        storage = _Storage(len(self.raw), nbytes, node, fqn, op)
+        storage = _Storage(len(self.raw), nbytes, node, fqn, op, bound)
         self.raw.append(_Raw(True, storage, self.phase))
         self.raw.append(_Raw(False, storage, self.phase))
 
@@ -423,6 +428,7 @@ def _run_step(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), kernels():
         out = _Forward(gm, tracker, fake, model, kernels).run(*values)
+        tracker.poll()  # what died after the last op is released in the phase it died in
         tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
         output = loss.select(out, model)
         with _paused(tracker):  # the target is data the caller holds before the step, like the batch
@@ -430,6 +436,7 @@ def _run_step(
         if target is not None:
             tracker.adopt(target, Category.INPUT)
         value = _guarded(fake, model, f"the loss '{loss.name}'", lambda: loss.compute(output, target))
+    tracker.poll()
     _mark(tracker, categories, out, Category.ACTIVATION)  # the caller holds the output
     _label_autograd(value, (LOSS_NODE, "(loss)"))
     _label_accumulators(params, value)
@@ -531,6 +538,7 @@ def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int 
             r.storage.fqn,
             r.storage.op,
             r.storage.number,
+            r.storage.bound,
         )
         for r in tracker.raw
     )

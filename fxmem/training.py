@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxmem.errors import InputSpecError
+from fxmem.rules import TorchRelease, torch_release
 from fxmem.rules.optimizers import IMPLS
 from fxmem.sharding import STAGES as SHARDS
 from fxmem.sharding import check_plan
@@ -49,6 +50,9 @@ class TrainingSetup:
     """'foreach', 'fused' or 'for-loop'; None: what torch picks on the target device."""
     overheads: dict[str, int] = field(default_factory=dict)
     """Overrides of the fixed CUDA costs by line name (see fxmem/overheads.py), in bytes."""
+    torch_version: str | None = None
+    """The torch release the training job runs ("2.11"), whose kernel choices a cuda target follows
+    where they changed between releases (SDPA's backend, cuBLASLt's workspace); None: fxmem's own."""
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
@@ -60,6 +64,7 @@ class TrainingSetup:
             raise InputSpecError(f"--shard {self.shard} shards state across GPUs: use it with --target cuda.")
         if self.target == "cuda":
             self.device  # noqa: B018 - fails early on an unknown --gpu
+        self.release  # noqa: B018 - fails early on a malformed --torch-version
 
     @property
     def cuda(self) -> bool:
@@ -76,6 +81,11 @@ class TrainingSetup:
         from fxmem.gpus import get_gpu
 
         return get_gpu(self.gpu)
+
+    @property
+    def release(self) -> TorchRelease:
+        """(major, minor) of the torch release the kernel choices follow."""
+        return torch_release(self.torch_version)
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
@@ -103,8 +113,8 @@ class TrainingSetup:
         if self.cuda:
             from fxmem.target import CudaTargetMode
 
-            capability = self.device.compute_capability
-            return lambda: CudaTargetMode(compute_capability=capability, amp=amp)
+            capability, release = self.device.compute_capability, self.release
+            return lambda: CudaTargetMode(compute_capability=capability, amp=amp, release=release)
         if amp is not None:
             return lambda: torch.autocast("cpu", dtype=amp)
         return contextlib.nullcontext
@@ -117,6 +127,8 @@ class TrainingSetup:
             parts.append(f"{self.world_size} GPU{'s' if self.world_size > 1 else ''}, shard {self.shard}")
         if self.optimizer_impl:
             parts.append(f"optimizer {self.optimizer_impl}")
+        if self.torch_version is not None:
+            parts.append(f"torch {self.torch_version}")
         return ", ".join(parts)
 
 

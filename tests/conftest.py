@@ -54,3 +54,11 @@ def at_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.chdir(GOLDEN.parent.parent)
     monkeypatch.setattr(cli, "_SLOW_S", 1e9)
+
+
+# --- the environment fxmem reads ------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _no_cublas_workspace_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fxmem sizes cuBLAS workspaces by CUBLAS_WORKSPACE_CONFIG where it runs, and importing MONAI sets
+    it (to ":4096:8", monai/utils/misc.py); tests expect torch's defaults unless they set it themselves."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)

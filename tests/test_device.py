@@ -20,15 +20,31 @@ from fxmem.symbolic import ByteExpr
 MiB = 2**20
 H100 = get_gpu("h100-80gb")
 WORKSPACES = 2 * 32 * MiB  # two cuBLAS workspaces of ":4096:8" = 8 x 4 MiB on sm_90 (forward and backward threads)
-CONTEXT = 512 * MiB  # fxmem.overheads.CONTEXT_BYTES, seen only by nvidia-smi
+CONTEXT = 543_162_368  # fxmem.overheads.CONTEXT_BYTES (an H200's, measured), seen only by nvidia-smi
+CUBLAS_KERNELS = 165_675_008  # fxmem.overheads.CUBLAS_KERNELS_BYTES, loaded at the first matmul: nvidia-smi only
+CUDNN_KERNELS = 8 * MiB  # fxmem.overheads.CUDNN_KERNELS_BYTES: only for a step that calls cuDNN
+DRIVER = CONTEXT + CUBLAS_KERNELS  # what a step without cuDNN adds to the allocator's segments in nvidia-smi
 
 
-def _event(storage: int, nbytes: int, *, alloc: bool = True, phase: Phase = Phase.FORWARD, category: Category = Category.ACTIVATION, op: str = "aten.mm") -> MemoryEvent:
+def _event(
+    storage: int,
+    nbytes: int,
+    *,
+    alloc: bool = True,
+    phase: Phase = Phase.FORWARD,
+    category: Category = Category.ACTIVATION,
+    op: str = "aten.mm",
+) -> MemoryEvent:
     return MemoryEvent(phase, alloc, ByteExpr(fixed=nbytes), category, "n", "", op, storage)
 
 
-def _model(*, fused: bool = False, scale: dict[Category, Fraction] | None = None, extra: tuple[tuple[str, int, str], ...] = ()) -> DeviceModel:
-    return DeviceModel(H100, cuda_overheads(H100), host_scalars=not fused, scale=scale or {}, extra=extra)
+def _model(
+    *, fused: bool = False, scale: dict[Category, Fraction] | None = None, extra: tuple[tuple[str, int, str], ...] = ()
+) -> DeviceModel:
+    overheads = cuda_overheads(
+        H100, cublas_workspace_config=":4096:8", cublaslt_unified=True
+    )  # whatever torch and environment run the tests
+    return DeviceModel(H100, overheads, host_scalars=not fused, scale=scale or {}, extra=extra)
 
 
 def _timeline(*events: MemoryEvent, baseline: tuple[tuple[Category, int], ...] = ()) -> Timeline:
@@ -45,7 +61,9 @@ def test_blocks_are_rounded_and_workspaces_and_context_added() -> None:
     # Segments: the workspaces (32 MiB each, >= 10 MiB: rounded to 2 MiB, already are), one 2 MiB small
     # segment for the 1 KiB block, one 20 MiB large segment for the 3 MiB activation.
     assert d.reserved == WORKSPACES + 2 * MiB + 20 * MiB
-    assert d.total == d.reserved + CONTEXT
+    assert d.total == d.reserved + DRIVER  # no convolution, RNN or cuDNN attention: no cuDNN modules
+    conv = _timeline(_event(0, 3 * MiB, op="aten.convolution"), _event(0, 0, alloc=False), baseline=((Category.PARAMETER, 1000),))
+    assert replay_step(conv, 4, None, _model()).total == d.total + CUDNN_KERNELS
 
 
 def test_host_step_counters_are_left_out_unless_fused() -> None:
@@ -100,14 +118,19 @@ def test_a_small_step_on_the_gpu_by_hand() -> None:
     # Everything small fits one 2 MiB small segment (the peak is under 1 MiB).
     assert peak.bytes < MiB
     assert peak.device.reserved == WORKSPACES + 2 * MiB
-    assert peak.device.total == WORKSPACES + 2 * MiB + CONTEXT
+    assert peak.device.total == WORKSPACES + 2 * MiB + DRIVER
     assert report.step_bytes(4) == peak.device.total
     assert report.verdict(report.device_memory or 0).basis == "device total"
 
 
 def test_overheads_are_configurable_by_name() -> None:
     report = fxmem.analyze(
-        nn.Linear(128, 128, bias=False), ["B,128"], optimizer="sgd", batch=4, target="cuda", overheads={"cuda_context": 0, "cublas_workspace": 0}
+        nn.Linear(128, 128, bias=False),
+        ["B,128"],
+        optimizer="sgd",
+        batch=4,
+        target="cuda",
+        overheads={"cuda_context": 0, "cublas_kernels": 0, "cublas_workspace": 0, "cublaslt_workspace": 0},
     )
     peak = report.peak(4)
     assert peak.device is not None
@@ -135,7 +158,16 @@ def test_zero3_on_8_gpus_divides_the_state_per_gpu() -> None:
 def test_json_carries_the_target_and_the_gpu_counters() -> None:
     report = fxmem.analyze(nn.Linear(128, 128, bias=False), ["B,128"], optimizer="sgd", batch=4, amp="bf16")
     out = report.to_dict()
-    assert out["target"] == {"target": "cuda", "gpu": "h100-80gb", "amp": "bf16", "precision": "amp", "world_size": 1, "shard": "none", "optimizer_impl": None}
+    assert out["target"] == {
+        "target": "cuda",
+        "gpu": "h100-80gb",
+        "amp": "bf16",
+        "precision": "amp",
+        "world_size": 1,
+        "shard": "none",
+        "optimizer_impl": None,
+        "torch_version": None,
+    }
     device = out["peak"]["steady_step"]["device"]
     assert device["max_memory_allocated"] == report.peak().device.allocated  # type: ignore[union-attr]
     assert device["overheads"]["cuda_context"] == CONTEXT

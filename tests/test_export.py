@@ -61,7 +61,9 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory: pytest.TempPathFactory) -> str:
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=97, max_position_embeddings=64)
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=97, max_position_embeddings=64
+    )
     config.architectures = ["BertForMaskedLM"]
     return _hf(config, tmp_path_factory)
 
@@ -114,7 +116,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _assert_exact_against_eager(spec_name: str, inputs: dict[str, str], seq: int | None = None) -> None:
     """analyze on the meta model == measure on a real one: per node (same graph) and in total (eager forward)."""
     spec = fxmem.load_model(spec_name, seq_len=16)
-    report = fxmem.analyze(spec.model, inputs, loss=spec.loss, seq_len=seq, target="cpu", peak=False)  # saved bytes only: no step to simulate
+    report = fxmem.analyze(
+        spec.model, inputs, loss=spec.loss, seq_len=seq, target="cpu", peak=False
+    )  # saved bytes only: no step to simulate
     assert report.frontend == "export"
     real = fxmem.load_model(spec_name, seq_len=16, meta=False).model
     for batch in (1, 2, 3):
@@ -238,5 +242,35 @@ def test_hugging_face_step_peaks_match_the_profiler(family: str, request: pytest
         torch.manual_seed(0)
         measured = fxmem.measure_peak(real, spec.inputs, batch, loss=spec.loss, first_step=first_step)
         predicted = report.peak(batch, first_step=first_step)
-        assert abs(predicted.bytes - measured.bytes) <= 0.01 * measured.bytes, f"B={batch} first={first_step}: {predicted.bytes} vs {measured.bytes}"
+        assert abs(predicted.bytes - measured.bytes) <= 0.01 * measured.bytes, (
+            f"B={batch} first={first_step}: {predicted.bytes} vs {measured.bytes}"
+        )
         assert predicted.phase == measured.phase
+
+
+class _LossInside(nn.Module):
+    """A head that returns its logits and computes its loss on a float32 copy, as Hugging Face's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(x)
+        if x.shape[0] > 0:  # a shape branch: fx cannot trace this, export can
+            loss = logits.float().square().mean()
+        return loss, logits
+
+
+def test_an_output_behind_a_cast_that_was_a_no_op_is_its_source() -> None:
+    # Note [Outputs behind a cast that was a no-op when exported]: in float32, logits.float() is the
+    # logits themselves, and export points the output at the cast. Under bf16 autocast the cast is real:
+    # the caller holds the bf16 logits (4 x 32 x 2 = 256 B at B=4, made by addmm) through the whole
+    # step, and the fp32 copy (512 B, kept by square for backward) is released in backward.
+    report = analyze_on_meta(_LossInside, ["B,8"], loss="model", amp="bf16", target="cuda", batch=4)
+    events = report.timeline(4).events
+    released = {e.storage for e in events if not e.alloc}
+    logits = [e for e in events if e.alloc and e.op == "aten.addmm"]
+    copies = [e for e in events if e.alloc and e.op == "aten._to_copy" and e.node == "to" and e.phase.value == "forward"]
+    assert [e.nbytes.at(4, None) for e in logits] == [4 * 32 * 2] and logits[0].storage not in released
+    assert [e.nbytes.at(4, None) for e in copies] == [4 * 32 * 4] and copies[0].storage in released

@@ -58,17 +58,19 @@ class Attention(nn.Module):
 
 
 def test_flash_attention_under_bf16_autocast_keeps_a_log_sum_exp_not_the_scores() -> None:
-    # sm90, bf16: flash (fp16/bf16, sm80+, head dim 16 <= 256, no mask; can_use_flash_attention). Per sample:
+    # sm90, bf16: cuDNN attention, which check_prefer_cudnn_attention puts before flash on sm90 (the H200
+    # took it for every fp16/bf16 head dim <= 256, tests/test_sdpa.py; this test once expected flash and
+    # its 24 bytes of seed (2,) and offset (), which sm90 does not run). Per sample:
     #   the linear's bf16 copy of x:               40 * 64 * 2 = 5120
     #   the qkv output (q, k, v are views of it):  40 * 192 * 2 = 15360
-    #   flash's output, bf16 (B, 4, 40, 16):       40 * 64 * 2 = 5120
-    #   its fp32 log-sum-exp (B, 4, 40):           4 * 40 * 4 = 640
-    # and fixed: the philox seed (2,) and offset () as uint64, 24. The bf16 copy of the weight is not
+    #   cuDNN's output, bf16 (B, 4, 40, 16):       40 * 64 * 2 = 5120
+    #   its fp32 log-sum-exp (B, 4, 40, 1):        4 * 40 * 4 = 640
+    # and fixed: the int64 philox seed and offset, 16. The bf16 copy of the weight is not
     # kept: mm keeps its second operand only for its first's gradient, and x needs none. No (40 x 40)
     # score matrix per head (that would be 4 * 40 * 40 * 2 = 12800 more per sample).
     c = capture(Attention, ["B,40,64"], kernels=cuda(amp=torch.bfloat16))
     per_sample = 40 * 64 * BF16 + 40 * 192 * BF16 + 40 * 64 * BF16 + 4 * 40 * FP32
-    assert activations(c) == ByteExpr(per_sample=per_sample, fixed=24)
+    assert activations(c) == ByteExpr(per_sample=per_sample, fixed=16)
     assert not any(s.shape[-2:] == (40, 40) for s in c.saved)
 
 
@@ -101,11 +103,11 @@ def _qkv(
 
 _CASES = [
     # dtype, capability, head dim, mask, expected: why (the sdp_utils.cpp check that decides)
-    (torch.bfloat16, (9, 0), 64, False, SdpBackend.FLASH),  # all of can_use_flash_attention's checks pass
+    (torch.bfloat16, (9, 0), 64, False, SdpBackend.CUDNN),  # check_prefer_cudnn_attention: cuDNN before flash on sm90
     (torch.float16, (8, 0), 256, False, SdpBackend.FLASH),  # check_head_dim_size_flash: <= 256
     (torch.bfloat16, (9, 0), 60, False, SdpBackend.FLASH),  # flash pads the head dim to a multiple of 8 itself
     (torch.float32, (9, 0), 64, False, SdpBackend.EFFICIENT),  # check_dtypes_flash_attention: fp16/bf16 only
-    (torch.bfloat16, (9, 0), 64, True, SdpBackend.EFFICIENT),  # check_for_attn_mask: flash takes no mask
+    (torch.bfloat16, (9, 0), 64, True, SdpBackend.CUDNN),  # cuDNN takes a mask (flash does not: check_for_attn_mask)
     (torch.bfloat16, (9, 0), 512, False, SdpBackend.EFFICIENT),  # > 256 for flash; no bound for mem-efficient
     (torch.float16, (7, 5), 64, False, SdpBackend.EFFICIENT),  # check_flash_attention_hardware_support: sm80+
     (torch.bfloat16, (7, 0), 64, False, SdpBackend.MATH),  # below sm80 mem-efficient takes fp16/fp32, not bf16
@@ -126,18 +128,20 @@ def test_sdp_backend_choice(dtype: torch.dtype, capability: tuple[int, int], hea
 
 
 def test_sdp_backend_choice_on_shapes() -> None:
-    choose = lambda q, k, v, **kw: choose_sdp_backend(q, k, v, **{"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "enable_gqa": False, "capability": H100, **kw})
+    choose = lambda q, k, v, **kw: choose_sdp_backend(
+        q, k, v, **{"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "enable_gqa": False, "capability": H100, **kw}
+    )
     assert choose(*_qkv(torch.bfloat16, 64, dims=3)) == SdpBackend.MATH  # check_tensor_shapes: 4-D only
     gqa = _qkv(torch.bfloat16, 64, heads=(8, 2))
-    assert choose(*gqa, enable_gqa=True) == SdpBackend.FLASH  # check_grouped_query_attention
+    assert choose(*gqa, enable_gqa=True) == SdpBackend.CUDNN  # check_grouped_query_attention (cuDNN before flash on sm90)
     assert choose(*gqa) == SdpBackend.MATH  # unequal heads without enable_gqa
     # fp32 misses flash (check_dtypes_flash_attention); mem-efficient checks heads with supports_gqa=false,
     # so GQA it never takes, enable_gqa or not: math, which repeats k and v per query head.
     assert choose(*_qkv(torch.float32, 64, heads=(8, 2)), enable_gqa=True) == SdpBackend.MATH
     assert choose(*_qkv(torch.float32, 64, heads=(8, 8)), enable_gqa=True) == SdpBackend.EFFICIENT
     cross = _qkv(torch.bfloat16, 64, seqs=(16, 32))
-    assert choose(*cross, is_causal=True) == SdpBackend.EFFICIENT  # check_flash_causal_non_square_seqlens
-    assert choose(*cross) == SdpBackend.FLASH
+    assert choose(*cross, is_causal=True) == SdpBackend.CUDNN  # cuDNN has no check_flash_causal_non_square_seqlens
+    assert choose(*cross) == SdpBackend.CUDNN
 
 
 def test_dropout_keeps_a_one_byte_mask() -> None:
@@ -196,7 +200,6 @@ def test_multi_head_attention_module_is_seen_inside() -> None:
         assert out.dtype == torch.bfloat16
 
 
-
 class GroupedQueryAttention(nn.Module):
     """4 query heads over 2 key/value heads of 16, fp32, causal SDPA with ``enable_gqa``, on (B, 40, 64)."""
 
@@ -230,3 +233,61 @@ def test_fp32_grouped_query_attention_takes_the_math_path_and_its_step_runs() ->
     report = analyze(model, ["B,40,64"], target="cuda", batch=2)
     assert report.activations.at(2) == measure(GroupedQueryAttention(_math), ["B,40,64"], batch=2).total
     assert report.peak(2).bytes > report.activations.at(2)
+
+
+def test_cross_entropy_under_autocast_keeps_bf16_log_probabilities_and_their_fp32_copy() -> None:
+    # Note [Cross-entropy under CUDA autocast]: log_softmax runs in the logits' bf16 (the composite names
+    # its dtype) and keeps its result, 10 * 2 = 20 per sample; nll_loss is an fp32 op and keeps an fp32
+    # copy, 10 * 4 = 40. Besides: the linear's bf16 copy of x, 8 * 2 = 16. Fixed: nll_loss's total
+    # weight, a 4-byte fp32 scalar. The H200 measured the same split (LogSoftmaxBackward0 2 bytes per
+    # logit, NllLossBackward0 4; tests/test_h200.py holds the totals).
+    with torch.device("meta"):
+        model = nn.Linear(8, 10)
+    specs = parse_inputs(["B,8"])
+    gm = trace_model(model, specs).gm
+    c = capture_saved(gm, specs, loss=get_loss("cross_entropy"), batch=None, rules={}, kernels=cuda(amp=torch.bfloat16))  # type: ignore[arg-type]
+    assert activations(c) == ByteExpr(per_sample=8 * BF16 + 10 * BF16 + 10 * FP32, fixed=FP32)
+
+
+def test_batch_norm_statistics_under_autocast_are_fp32_on_cuda() -> None:
+    # Note [Batch-norm statistics on CUDA]: a bf16 input's save_mean and save_invstd are fp32 on CUDA,
+    # 2 x 16 channels x 4 = 128 fixed bytes (the fake CPU kernel makes them bf16: 64). Besides, fixed:
+    # the convolution's bf16 weight copy, 16 * 3 * 3 * 3 * 2 = 864 (ConvolutionBackward0 keeps it even
+    # for a layer whose input needs no gradient, as the H200's sweep shows). Per sample: the
+    # convolution keeps its bf16 input copy 3 * 6 * 6 * 2 = 216; batch norm keeps its bf16 input,
+    # 16 * 6 * 6 * 2 = 1152 (the fp32 weights are state). The rule applies through capture's op rules.
+    from fxmem.rules.ops import op_rules_for
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16))
+    specs = parse_inputs(["B,3,6,6"])
+    gm = trace_model(model, specs).gm
+    c = capture_saved(gm, specs, loss=get_loss("sum"), batch=None, rules=op_rules_for("cuda"), kernels=cuda(amp=torch.bfloat16))
+    assert activations(c) == ByteExpr(per_sample=3 * 36 * BF16 + 16 * 36 * BF16, fixed=16 * 27 * BF16 + 2 * 16 * FP32)
+
+
+class GlobalResponseNorm(nn.Module):
+    """ConvNeXt-V2's GRN on channels-last (B, 8, 8, 32) after a Linear: the L2 norm over H and W per channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.gamma, self.beta = nn.Parameter(torch.zeros(32)), nn.Parameter(torch.zeros(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        gx = torch.norm(x, p=2, dim=(1, 2), keepdim=True)
+        nx = gx / (gx.mean(dim=-1, keepdim=True) + 1e-6)
+        return self.gamma * (x * nx) + self.beta + x
+
+
+def test_norm_under_autocast_computes_in_fp32_without_an_fp32_copy() -> None:
+    # torch.norm runs linalg.vector_norm, fp32_set_opt_dtype: autocast passes dtype=float32 and casts no
+    # tensor, so autograd keeps the bf16 input (already kept for nothing else here: 64 * 32 * 2 = 4096
+    # per sample, charged to fc, which made it) and the fp32 norms (32 * 4 = 128), not an fp32 copy of
+    # the input (64 * 32 * 4 = 8192 more). Per sample in all: fc's bf16 copy of x 4096 + its output
+    # 4096; the norms 128; the divisor gx.mean + eps, 4; nx = gx / it, 128 (fp32, kept by the product);
+    # x * nx promoted to fp32 and kept by gamma's product, 64 * 32 * 4 = 8192.
+    c = capture(GlobalResponseNorm, ["B,8,8,32"], kernels=cuda(amp=torch.bfloat16))
+    assert activations(c) == ByteExpr(per_sample=4096 + 4096 + 128 + 4 + 128 + 8192)
+    assert not any(s.dtype == "float32" and s.shape[1:] == (8, 8, 32) and s.node == "norm" for s in c.saved)

@@ -7,13 +7,32 @@ the global registries are never mutated after import.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from fxmem.errors import DuplicateRuleError
+import torch
 
-__all__ = ["Ignored", "Missing", "Registry"]
+from fxmem.errors import DuplicateRuleError, InputSpecError
+
+__all__ = ["Ignored", "Missing", "Registry", "TorchRelease", "torch_release"]
+
+TorchRelease = tuple[int, int]
+"""(major, minor) of a torch release: rules that changed between releases follow the one the GPU job runs."""
+
+
+def torch_release(version: str | None = None) -> TorchRelease:
+    """(major, minor) of ``version`` ("2.11", "2.11.0+cu130"; None: the torch fxmem runs with).
+
+    >>> torch_release("2.11.0+cu130")
+    (2, 11)
+    """
+    match = re.match(r"(\d+)\.(\d+)", version if version is not None else torch.__version__)
+    if match is None:
+        raise InputSpecError(f"torch version {version!r} is not a release number; give it as MAJOR.MINOR, e.g. --torch-version 2.11.")
+    return int(match.group(1)), int(match.group(2))
+
 
 K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")

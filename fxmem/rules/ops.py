@@ -15,8 +15,19 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxmem.rules import Registry
+from fxmem.rules.cudnn_conv import cudnn_convolution_backward_workspace, cudnn_convolution_workspace
+from fxmem.rules.cudnn_rnn import cudnn_rnn_backward_workspace, cudnn_rnn_reserve, cudnn_rnn_workspace
 from fxmem.rules.onednn_conv import ConvShape, backward_marks, forward_marks, highest, onednn_convolution
 from fxmem.rules.onednn_rnn import PAGE_SIZE, get_good_ld, lstm_workspace_bytes
+from fxmem.rules.sdpa_buffers import (
+    cudnn_attention_backward_workspace,
+    cudnn_attention_workspace,
+    efficient_attention_backward_workspace,
+    efficient_attention_host_seeds,
+    efficient_attention_workspace,
+    safe_softmax_workspace,
+    softmax_backward_workspace,
+)
 
 __all__ = ["OP_RULES", "WORKSPACE_RULES", "op_rules_for", "register_op_rule", "register_workspace_rule", "workspace_rules_for"]
 
@@ -275,3 +286,32 @@ def mm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) 
 def addmm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """Contiguous clones of operands BLAS cannot take; see Note [CPU matmul operand copies]."""
     return _operand_copies(args[1], args[2])
+
+
+# cuDNN's RNNs on the cuda target (fxmem/rules/cudnn_rnn.py): the reserve its meta kernel leaves empty
+# (Note [cuDNN RNN reserve]), the forward's and backward's workspaces (Note [cuDNN RNN workspace],
+# Note [cuDNN RNN backward buffers]).
+register_op_rule(("aten._cudnn_rnn", "cuda"))(cudnn_rnn_reserve)
+register_workspace_rule(("aten._cudnn_rnn", "cuda"))(cudnn_rnn_workspace)
+register_workspace_rule(("aten._cudnn_rnn_backward", "cuda"))(cudnn_rnn_backward_workspace)
+
+# SDPA's kernels on the cuda target (fxmem/rules/sdpa.py): the memory-efficient kernel's philox seed
+# and offset, host tensors its meta kernel makes as 8-byte tensors, and the buffers cuDNN attention,
+# memory-efficient attention and the math path's _safe_softmax make and free inside, and the
+# temporary of every softmax's backward (fxmem/rules/sdpa_buffers.py, Note [SDPA kernels' own buffers on CUDA]).
+register_op_rule(("aten._scaled_dot_product_efficient_attention", "cuda"))(efficient_attention_host_seeds)
+register_workspace_rule(("aten._scaled_dot_product_cudnn_attention", "cuda"))(cudnn_attention_workspace)
+register_workspace_rule(("aten._scaled_dot_product_cudnn_attention_backward", "cuda"))(cudnn_attention_backward_workspace)
+register_workspace_rule(("aten._scaled_dot_product_efficient_attention", "cuda"))(efficient_attention_workspace)
+register_workspace_rule(("aten._scaled_dot_product_efficient_attention_backward", "cuda"))(efficient_attention_backward_workspace)
+register_workspace_rule(("aten._safe_softmax", "cuda"))(safe_softmax_workspace)
+register_workspace_rule(("aten._softmax_backward_data", "cuda"))(softmax_backward_workspace)
+
+
+# cuDNN's convolution workspaces on the cuda target (fxmem/rules/cudnn_conv.py, Note [cuDNN convolution
+# workspaces]): the forward's, and the backward's parts with the grad_output copies they make.
+register_workspace_rule(("aten.convolution", "cuda"))(cudnn_convolution_workspace)
+register_workspace_rule(("aten.convolution_backward", "cuda"))(cudnn_convolution_backward_workspace)
+
+
+from fxmem.rules import cuda_norms  # noqa: E402, F401  (registers the cuda target's normalization rules)
