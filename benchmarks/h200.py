@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fxmem.report import format_bytes
+from fxmem.output.render import format_bytes
 from tests.test_h200 import HOST, MEASURED, report
 
 

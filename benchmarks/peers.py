@@ -38,8 +38,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxmem
+from fxmem.engine.losses import get_loss
 from fxmem.inputs import InputSpec, make_tensor
-from fxmem.losses import get_loss
 
 T = TypeVar("T")
 MIB = 2**20

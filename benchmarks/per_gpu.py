@@ -2,7 +2,7 @@
 
 Mixed-precision AdamW (bf16 weights and gradients, fp32 master copy and moments: 16 bytes per
 parameter, the ZeRO paper's 2 + 2 + 12) on N data-parallel GPUs, divided as DeepSpeed ZeRO and PyTorch
-FSDP divide it (fxmem/sharding.py), with the transient all-gathered units of ZeRO-3 and FSDP. The models
+FSDP divide it (fxmem/step/sharding.py), with the transient all-gathered units of ZeRO-3 and FSDP. The models
 are built on the meta device, so this takes seconds and no memory.
 
     python benchmarks/per_gpu.py            # N = 8
@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-from fxmem.report import format_bytes
-from fxmem.sharding import STAGES, shard_state, units_of
-from fxmem.state import get_optimizer, state_bytes
+from fxmem.output.render import format_bytes
+from fxmem.step.sharding import STAGES, shard_state, units_of
+from fxmem.step.state import get_optimizer, state_bytes
 from models_zoo.gpt2_small import GPT
 
 CONFIGS = {

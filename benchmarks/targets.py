@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 import fxmem
-from fxmem.report import format_bytes
+from fxmem.output.render import format_bytes
 
 SETUPS: list[tuple[str, dict[str, Any]]] = [
     ("cpu, fp32", {"target": "cpu"}),

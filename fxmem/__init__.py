@@ -7,6 +7,8 @@
 """
 
 from fxmem.api import analyze
+from fxmem.cost.roofline import StepTime
+from fxmem.cost.tradeoff import FlopCount, TradeoffRow
 from fxmem.errors import (
     CaptureError,
     DuplicateRuleError,
@@ -17,11 +19,11 @@ from fxmem.errors import (
     NotSimulatedError,
     TraceError,
 )
-from fxmem.gpus import GPUS, GpuSpec
+from fxmem.frontends.load import load_model
+from fxmem.gpu.gpus import GPUS, GpuSpec
 from fxmem.inputs import InputSpec, parse_inputs, parse_size
-from fxmem.load import load_model
 from fxmem.measure import Measurement, PeakMeasurement, measure, measure_peak
-from fxmem.precision import RECIPES, PrecisionRecipe
+from fxmem.report import Report
 from fxmem.results import (
     Category,
     DevicePeak,
@@ -33,16 +35,14 @@ from fxmem.results import (
     OpCostRecord,
     Peak,
     Phase,
-    Report,
     StateBytes,
     Timeline,
 )
-from fxmem.roofline import StepTime
 from fxmem.rules.ops import register_op_rule
 from fxmem.rules.optimizers import OptimizerRule, register_optimizer
+from fxmem.step.precision import RECIPES, PrecisionRecipe
+from fxmem.step.training import TrainingSetup
 from fxmem.symbolic import ByteExpr
-from fxmem.tradeoff import FlopCount, TradeoffRow
-from fxmem.training import TrainingSetup
 
 __version__ = "0.1.0"
 

@@ -8,23 +8,24 @@ from dataclasses import replace
 import torch
 from torch import fx, nn
 
-from fxmem.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
-from fxmem.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
-from fxmem.checkpointing import checkpoint_regions
-from fxmem.device import DeviceModel, device_model
+from fxmem.cost.tradeoff import BN_THRESHOLD, batchnorm_layers
+from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
+from fxmem.engine.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
+from fxmem.engine.losses import Loss, get_loss
 from fxmem.errors import CaptureError, InputSpecError
+from fxmem.frontends.checkpointing import checkpoint_regions
+from fxmem.frontends.tracing import trace_model
+from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
-from fxmem.losses import Loss, get_loss
-from fxmem.peak import StepPeaks
-from fxmem.results import Accounting, Capture, Report, StateBytes, Timeline
+from fxmem.report import Report
+from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
-from fxmem.sharding import PerGpuState, shard_state, units_of
-from fxmem.state import get_optimizer, state_bytes
-from fxmem.timeline import simulate_step
-from fxmem.tracing import trace_model
-from fxmem.tradeoff import BN_THRESHOLD, batchnorm_layers
-from fxmem.training import DEFAULT_GPU, TrainingSetup
+from fxmem.step.peak import StepPeaks
+from fxmem.step.sharding import shard_state, units_of
+from fxmem.step.state import get_optimizer, state_bytes
+from fxmem.step.timeline import simulate_step
+from fxmem.step.training import DEFAULT_GPU, TrainingSetup
 
 __all__ = ["analyze"]
 
@@ -71,11 +72,11 @@ def analyze(
     peak, which ``max_batch`` and ``device_memory`` then use; ``peak=False`` skips it.
 
     ``target`` is the device the step is for: "cuda" (the default; the GPU named by ``gpu``, see
-    ``fxmem.gpus.GPUS``), where kernels save what CUDA's save, the caching allocator rounds every block
+    ``fxmem.gpu.gpus.GPUS``), where kernels save what CUDA's save, the caching allocator rounds every block
     and fixed costs (context, library workspaces; ``overheads`` overrides them by name) are added; or
     "cpu", which is what ``fxmem.measure`` checks exactly. ``amp`` ("bf16"/"fp16") runs the forward under
     autocast with the target's cast policy; ``precision`` names the state recipe (see
-    ``fxmem.precision``); ``world_size`` and ``shard`` ("zero1", "zero2", "zero3", "fsdp") give the
+    ``fxmem.step.precision``); ``world_size`` and ``shard`` ("zero1", "zero2", "zero3", "fsdp") give the
     per-GPU share of a sharded run; ``optimizer_impl`` is "foreach", "fused" or "for-loop".
     ``bn_threshold``: per-device batches below it get the batch-norm caveat where the model has
     batch-statistics layers (``Report.batchnorm_caveat``). ``torch_version`` ("2.11") is the torch
@@ -115,7 +116,7 @@ def _state(
 
     The step is simulated with the model's own dtypes, or the recipe's weight dtype where that is
     low-precision; the device model scales its state to the recipe and the sharding stage (Note
-    [Per-GPU state in the replay] in fxmem/device.py).
+    [Per-GPU state in the replay] in fxmem/gpu/device.py).
     """
     count = lambda precision, dtype: state_bytes(
         model, optimizer=opt, param_dtype=dtype, precision=precision, optimizer_impl=impl, target=setup.target

@@ -19,20 +19,21 @@ import torch
 from tabulate import tabulate
 
 from fxmem.api import analyze
+from fxmem.cost.tradeoff import BN_THRESHOLD
+from fxmem.engine.losses import LOSSES
 from fxmem.errors import FxmemError, InputSpecError
-from fxmem.gpus import GPUS
+from fxmem.frontends.load import load_leaf_types, load_model
+from fxmem.frontends.tracing import FRONTENDS
+from fxmem.gpu.gpus import GPUS
 from fxmem.inputs import parse_dtype, parse_inputs, parse_size
-from fxmem.load import load_leaf_types, load_model
-from fxmem.losses import LOSSES
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
-from fxmem.precision import RECIPES
-from fxmem.report import FORMATS, format_bytes, render, render_timeline
-from fxmem.results import ModelSpec, Peak, Report
+from fxmem.output.render import FORMATS, format_bytes, render, render_timeline
+from fxmem.report import Report
+from fxmem.results import ModelSpec, Peak
 from fxmem.rules.optimizers import OPTIMIZERS
-from fxmem.state import get_optimizer
-from fxmem.tracing import FRONTENDS
-from fxmem.tradeoff import BN_THRESHOLD
-from fxmem.training import AMP_DTYPES, DEFAULT_GPU, IMPLS, SHARDS, TARGETS
+from fxmem.step.precision import RECIPES
+from fxmem.step.state import get_optimizer
+from fxmem.step.training import AMP_DTYPES, DEFAULT_GPU, IMPLS, SHARDS, TARGETS
 
 __all__ = ["main"]
 
@@ -253,7 +254,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     )  # fmt: skip
     text = render(report, args.format, depth=args.depth, top=args.top)
     if args.plot:
-        from fxmem.plot import plot_batches
+        from fxmem.output.plot import plot_batches
 
         say(f"drawing {args.plot}")
         plot_batches(report, args.plot)
@@ -358,7 +359,7 @@ def _timeline(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     timeline = report.timeline(args.batch, first_step=args.first_step)
     text = render_timeline(timeline, report.peak(args.batch, first_step=args.first_step), args.batch, report.seq_len, args.spec)
     if args.plot:
-        from fxmem.plot import plot_timeline
+        from fxmem.output.plot import plot_timeline
 
         say(f"drawing {args.plot}")
         plot_timeline(timeline, args.plot, title=args.spec, seq=report.seq_len, batch=args.batch)

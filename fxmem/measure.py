@@ -38,16 +38,16 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxmem.account import node_bytes_at
-from fxmem.capture import record_real
+from fxmem.engine.account import node_bytes_at
+from fxmem.engine.capture import record_real
+from fxmem.engine.losses import Loss, get_loss
 from fxmem.errors import CaptureError, FxmemError
+from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_tensor, parse_inputs
-from fxmem.losses import Loss, get_loss
 from fxmem.results import Phase
 from fxmem.rules.optimizers import OptimizerRule
-from fxmem.state import get_optimizer
-from fxmem.tracing import trace_model
-from fxmem.training import amp_dtype
+from fxmem.step.state import get_optimizer
+from fxmem.step.training import amp_dtype
 
 __all__ = ["Measurement", "PeakMeasurement", "materialize", "measure", "measure_peak"]
 

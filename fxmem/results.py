@@ -1,4 +1,4 @@
-"""Frozen dataclasses and enums passed between the pipeline's stages (no logic beyond properties).
+"""Frozen dataclasses and enums passed between the pipeline's stages: data only, importing no stage.
 
 Results are keyed by fx node names and module paths (``fqn``), never by ``fx.Node`` objects, so they
 can be compared, pickled and tested without a graph.
@@ -6,15 +6,12 @@ can be compared, pickled and tested without a graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 from torch import nn
 
-from fxmem.errors import NotSimulatedError
-from fxmem.inputs import InputSpec, check_batch
 from fxmem.symbolic import ByteExpr
 
 __all__ = [
@@ -33,9 +30,10 @@ __all__ = [
     "NodeRecord",
     "OpCostRecord",
     "Peak",
+    "PerGpuState",
     "Phase",
-    "Report",
     "SavedTensor",
+    "ShardLine",
     "StateBytes",
     "Timeline",
     "Unsupported",
@@ -114,7 +112,7 @@ class MemoryEvent:
 
 @dataclass(frozen=True)
 class OpCostRecord:
-    """What one op of the step computes and moves (fxmem/flops.py), as polynomials in B (and S).
+    """What one op of the step computes and moves (fxmem/engine/flops.py), as polynomials in B (and S).
 
     ``flops`` follows torch.utils.flop_counter's formulas; ``has_formula`` is False for ops it has none
     for (elementwise ops, norms), whose FLOPs are then 0 and which reports list by name. ``read`` and
@@ -191,7 +189,7 @@ class Timeline:
     checks: tuple[Callable[[int], bool], ...] = ()
     """For a symbolic timeline, whether its bytes are the step's at a batch, one per kernel whose
     buffers depend on the batch otherwise than by a line (Note [Kernel choices that change with the
-    batch] in fxmem/timeline.py); where one says no, a concrete timeline serves that batch."""
+    batch] in fxmem/step/timeline.py); where one says no, a concrete timeline serves that batch."""
 
     def exact_at(self, batch: int) -> bool:
         return all(check(batch) for check in self.checks)
@@ -212,7 +210,7 @@ class EnvelopePiece:
 
 @dataclass(frozen=True)
 class DevicePeak:
-    """What a GPU shows for one step at one batch size (fxmem/device.py), in torch's and nvidia-smi's terms."""
+    """What a GPU shows for one step at one batch size (fxmem/gpu/device.py), in torch's and nvidia-smi's terms."""
 
     gpu: str
     allocated: int
@@ -224,7 +222,7 @@ class DevicePeak:
     capacity: int
     """The GPU's memory as nvidia-smi shows it."""
     overheads: tuple[tuple[str, int, str], ...]
-    """The fixed costs as (name, bytes, why); see fxmem/overheads.py."""
+    """The fixed costs as (name, bytes, why); see fxmem/gpu/overheads.py."""
     extra: tuple[tuple[str, int, str], ...] = ()
     """Per-GPU storages beyond the simulated step (master weights, gathered units) as (name, bytes, why)."""
 
@@ -373,7 +371,7 @@ class StateBytes:
     master: int = 0
     """An fp32 master copy of the trainable weights the optimizer updates (mixed-precision recipes)."""
     precision: str = ""
-    """The recipe of fxmem/precision.py the bytes follow; "" when each parameter kept its own dtype."""
+    """The recipe of fxmem/step/precision.py the bytes follow; "" when each parameter kept its own dtype."""
 
     @property
     def total(self) -> int:
@@ -427,207 +425,32 @@ class Accounting:
 
 
 @dataclass(frozen=True)
-class Report:
-    """Everything fxmem knows about one training step; ``str(report)`` is the table.
+class ShardLine:
+    """One kind of state on each GPU, and why it is that size."""
 
-    Bytes are exact integers. Activations exclude the input batch and targets, which are reported on
-    their own (``input_bytes``) and included in ``total_bytes``.
-    """
+    nbytes: int
+    why: str
 
-    model: str
-    inputs: tuple[InputSpec, ...]
-    loss: str
-    accounting: Accounting
-    state: StateBytes
-    batch: int = 32
-    device_memory: int | None = None
-    frontend: str = "fx"
-    """How the graph was made: 'fx' (torch.fx.symbolic_trace) or 'export' (torch.export)."""
-    seq_len: int | None = None
-    """Where an input has a symbolic sequence axis S: the length every figure is evaluated at."""
-    evaluate: Callable[[int], Mapping[str, int]] | None = field(default=None, compare=False, repr=False)
-    steps: Any = field(default=None, compare=False, repr=False)
-    """The simulated training step (a ``peak.StepPeaks``), or None where analyze ran with ``peak=False``."""
-    setup: Any = None
-    """The ``training.TrainingSetup`` the prediction is for (target, GPU, autocast, recipe, sharding)."""
-    per_gpu: Any = None
-    """One GPU's share of ``state`` (a ``sharding.PerGpuState``); equal to it with one GPU."""
-    bn_layers: tuple[str, ...] = ()
-    """Layers that normalize with batch statistics (BatchNorm, SyncBatchNorm), for the batch-norm caveat."""
-    bn_threshold: int = 16
-    """Per-device batches below this get the batch-norm caveat."""
-    checkpointed: int = 0
-    """How many ``torch.utils.checkpoint`` calls the graph runs as such (Note [Checkpointed regions])."""
-    _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
+
+@dataclass(frozen=True)
+class PerGpuState:
+    """The model state one of ``world_size`` GPUs holds under ``stage``."""
+
+    stage: str
+    world_size: int
+    weights: ShardLine
+    buffers: ShardLine
+    gradients: ShardLine
+    master: ShardLine
+    optimizer: ShardLine
+    gathered: ShardLine
+    """Transient: full-size parameters (and for FSDP a unit's gradient) alive while a unit runs."""
+
+    def lines(self) -> Iterator[tuple[str, ShardLine]]:
+        for name in ("weights", "buffers", "gradients", "master", "optimizer", "gathered"):
+            yield name, getattr(self, name)
 
     @property
-    def nodes(self) -> tuple[NodeRecord, ...]:
-        return self.accounting.nodes
+    def total(self) -> int:
+        return sum(line.nbytes for _, line in self.lines())
 
-    @property
-    def activations(self) -> ByteExpr:
-        """Activation bytes as ``per_sample * B + constant`` (exact for B >= 2 when ``linear``)."""
-        return ByteExpr.total(n.saved for n in self.nodes)
-
-    @property
-    def batch_one_special(self) -> tuple[str, ...]:
-        """Nodes whose exact bytes at B=1 differ from their line (see Note [Why B=1 is measured on its own])."""
-        return tuple(n.name for n in self.nodes if 1 in n.exact and n.exact[1] != n.saved.at(1, self.seq_len))
-
-    def node_bytes(self, batch: int) -> Mapping[str, int]:
-        """Exact activation bytes per node at ``batch``."""
-        check_batch(batch)
-        if all(batch in n.exact for n in self.nodes) or self.accounting.linear or self.evaluate is None:
-            return {n.name: n.at(batch, self.seq_len) for n in self.nodes}
-        if batch not in self._cache:
-            self._cache[batch] = self.evaluate(batch)
-        return self._cache[batch]
-
-    def activation_bytes(self, batch: int) -> int:
-        return sum(self.node_bytes(batch).values())
-
-    def input_bytes(self, batch: int) -> int:
-        check_batch(batch)
-        return self.accounting.inputs.at(batch, self.seq_len)
-
-    def total_bytes(self, batch: int) -> int:
-        """Model state + activations + the input batch, at ``batch``. Temporaries and the backward peak are not in it."""
-        return self.state.total + self.activation_bytes(batch) + self.input_bytes(batch)
-
-    def peak(self, batch: int | None = None, *, first_step: bool = False) -> Peak:
-        """The training step's peak at ``batch`` (default: the report's): bytes, phase, node, and what is alive.
-
-        A first step creates the optimizer state inside ``optimizer.step()``; a steady step (the
-        default) starts with it.
-        """
-        batch = self.batch if batch is None else batch
-        check_batch(batch)
-        return self._steps().peak(batch, first_step=first_step)
-
-    def timeline(self, batch: int | None = None, *, first_step: bool = False) -> Timeline:
-        """Every allocation and release of the training step at ``batch``, in order."""
-        batch = self.batch if batch is None else batch
-        check_batch(batch)
-        return self._steps().timeline(batch, first_step=first_step)
-
-    def envelope(self, *, first_step: bool = False) -> tuple[EnvelopePiece, ...]:
-        """The peak as pieces ``a*B + c`` for B >= 2 (empty where the peak is not linear in B)."""
-        return tuple(self._steps().envelope(first_step=first_step))
-
-    def _steps(self) -> Any:
-        if self.steps is None:
-            raise NotSimulatedError(f"the report of '{self.model}' was made with peak=False; call analyze() without it to get the step's peak.")
-        return self.steps
-
-    def step_bytes(self, batch: int) -> int:
-        """What the device must hold at ``batch``: for a GPU, nvidia-smi's total for a steady step
-        (allocator blocks, segments, fixed costs); for the CPU the steady step's peak; ``total_bytes``
-        without a simulated step."""
-        if self.steps is None:
-            return self.total_bytes(batch)
-        return int(self.steps.device_bytes(batch))
-
-    def max_batch(self, budget_bytes: int) -> int | None:
-        """The largest batch whose step peak fits in ``budget_bytes``; None if B=1 does not fit or nothing grows with B."""
-        return self.verdict(budget_bytes).max_batch
-
-    def verdict(self, budget_bytes: int) -> Verdict:
-        basis = "total" if self.steps is None else ("device total" if self.steps.device is not None else "peak")
-        floor = self.step_bytes(1)
-        if floor > budget_bytes:
-            return Verdict(budget_bytes, None, floor, basis=basis)
-        if not self._grows():
-            return Verdict(budget_bytes, None, floor, unbounded=True, basis=basis)
-        return Verdict(budget_bytes, _largest_fitting(self.step_bytes, budget_bytes, self._upper_batch(budget_bytes)), floor, basis=basis)
-
-    def _grows(self) -> bool:
-        """Whether memory grows with B, judged on the tensors (a GPU's segments hide small growth)."""
-        if self.steps is None:
-            return self.total_bytes(2) > self.total_bytes(1)
-        return bool(self.steps.bytes(2) > self.steps.bytes(1))
-
-    def _upper_batch(self, budget_bytes: int) -> int | None:
-        """On a GPU, the largest batch whose tensors alone fit: the device total (tensors plus rounding,
-        caching and fixed costs) can only fit fewer, so the search for it starts below this bound."""
-        if self.steps is None or self.steps.device is None:
-            return None
-        return _largest_fitting(lambda b: int(self.steps.bytes(b)), budget_bytes)
-
-    def flops(self, batch: int | None = None) -> Any:
-        """The step's FLOPs at ``batch`` (default: the report's) by phase: a ``tradeoff.FlopCount``
-        with ``forward`` (model and loss), ``backward``, ``optimizer`` and the ops without a formula."""
-        from fxmem.tradeoff import flop_count
-
-        batch = self.batch if batch is None else batch
-        return flop_count(self.timeline(batch), batch, self.seq_len)
-
-    def step_time(self, batch: int | None = None) -> Any:
-        """A roofline lower bound on the step's time at ``batch`` on the setup's GPU (a ``roofline.StepTime``);
-        not a benchmark."""
-        from fxmem.tradeoff import step_estimate
-
-        batch = self.batch if batch is None else batch
-        return step_estimate(self.timeline(batch), batch, self.gpu, self.seq_len)
-
-    def tradeoff(self, batches: Sequence[int] | None = None) -> tuple[Any, ...]:
-        """Memory and estimated throughput per batch size (``tradeoff.TradeoffRow``): by default powers
-        of two up to the largest batch that fits the device, and that batch."""
-        from fxmem.tradeoff import TradeoffRow, batches_to_try
-
-        if batches is None:
-            largest = self.max_batch(self.device_memory) if self.device_memory is not None else None
-            batches = batches_to_try(largest, self.batch)
-        rows = []
-        for b in batches:
-            t = self.step_time(b)
-            rows.append(TradeoffRow(b, self.state.total, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share))
-        return tuple(rows)
-
-    def batchnorm_caveat(self) -> str:
-        """The batch-norm caveat where batch-statistics layers meet a small per-device batch, else ""."""
-        from fxmem.tradeoff import batchnorm_caveat
-
-        judged = [("chosen batch", self.batch)]
-        largest = self.max_batch(self.device_memory) if self.device_memory is not None and self.steps is not None else None
-        if largest is not None and largest < self.batch:
-            judged.append(("largest batch that fits", largest))
-        return batchnorm_caveat(self.bn_layers, judged, self.bn_threshold)
-
-    @property
-    def gpu(self) -> Any:
-        """The ``gpus.GpuSpec`` of the setup: the target GPU, or for a cpu target the GPU ``--gpu`` names
-        (the roofline estimates time on it)."""
-        from fxmem.gpus import get_gpu
-
-        return get_gpu(self.setup.gpu if self.setup is not None else "h100-80gb")
-
-    def layers(self, depth: int | None = None) -> tuple[LayerRow, ...]:
-        from fxmem.report import group_layers
-
-        return group_layers(self, depth)
-
-    def to_dict(self) -> dict[str, object]:
-        from fxmem.report import to_dict
-
-        return to_dict(self)
-
-    def __str__(self) -> str:
-        from fxmem.report import render
-
-        return render(self)
-
-
-def _largest_fitting(total: Callable[[int], int], budget: int, upper: int | None = None) -> int:
-    """Largest B with total(B) <= budget, for a total that grows with B (exponential then binary
-    search); ``upper``, when known, is a batch no smaller than the answer."""
-    lo, hi = 1, 2
-    if upper is not None:
-        if total(upper) <= budget:
-            return upper
-        hi = max(upper, 2)
-    while upper is None and total(hi) <= budget:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid)
-    return lo

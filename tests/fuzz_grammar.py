@@ -1238,7 +1238,7 @@ def validate_case(case: FuzzCase) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = _first_floating(model.train()(*args, **kwargs))
-            loss = fxmem.losses.get_loss(case.loss)
+            loss = fxmem.engine.losses.get_loss(case.loss)
             value = loss.compute(out, loss.make_target(out))
             if value.requires_grad:
                 value.backward()

@@ -27,16 +27,16 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fxmem.allocator import round_size
+from fxmem.engine.losses import Loss
+from fxmem.frontends.tracing import trace_model
+from fxmem.gpu.allocator import round_size
+from fxmem.gpu.target import CudaTargetMode
 from fxmem.inputs import InputSpec, parse_inputs
-from fxmem.losses import Loss
 from fxmem.results import Phase, Timeline
 from fxmem.rules import TorchRelease
 from fxmem.rules.ops import op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule
-from fxmem.target import CudaTargetMode
-from fxmem.timeline import simulate_step
-from fxmem.tracing import trace_model
+from fxmem.step.timeline import simulate_step
 
 __all__ = [
     "H200",

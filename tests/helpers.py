@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fxmem
-from fxmem.results import Report
+from fxmem.report import Report
 
 FLOAT = 4  # bytes per float32 element
 INT64 = 8

@@ -15,15 +15,15 @@ import time
 
 import pytest
 
-import fxmem.allocator
-from fxmem.allocator import FREE, AllocatorReplay, allocation_size, replay, round_size
+import fxmem.gpu.allocator
 from fxmem.errors import InputSpecError
+from fxmem.gpu.allocator import FREE, AllocatorReplay, allocation_size, replay, round_size
 
 KiB, MiB = 2**10, 2**20
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(fxmem.allocator, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(fxmem.gpu.allocator, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -1,7 +1,7 @@
 """Hand-computed saved bytes per op, each also checked against a real CPU run.
 
 Sequential children are fx nodes named _0, _1, ...; an activation is charged to the node that
-allocated its storage (see Note [Counting storages once] in fxmem/capture.py).
+allocated its storage (see Note [Counting storages once] in fxmem/engine/capture.py).
 """
 
 from __future__ import annotations

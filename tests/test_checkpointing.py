@@ -1,4 +1,4 @@
-"""Activation checkpointing (fxmem/checkpointing.py): what a checkpointed step keeps, and its peak.
+"""Activation checkpointing (fxmem/frontends/checkpointing.py): what a checkpointed step keeps, and its peak.
 
 Each model below checkpoints in one of the ways users write it; each is analyzed on fake tensors and
 compared with a real CPU run of the model itself (eager, no fx): its saved bytes exactly, its step's

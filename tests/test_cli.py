@@ -13,8 +13,8 @@ import pytest
 
 from fxmem import cli
 from fxmem.api import analyze
-from fxmem.load import load_model
-from fxmem.overheads import CUBLAS_KERNELS_BYTES
+from fxmem.frontends.load import load_model
+from fxmem.gpu.overheads import CUBLAS_KERNELS_BYTES
 from models_zoo import ZOO
 
 ROOT = Path(__file__).resolve().parent.parent

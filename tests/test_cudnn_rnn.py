@@ -23,12 +23,12 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxmem
+from fxmem.engine.losses import Loss
+from fxmem.gpu.target import CudaTargetMode
 from fxmem.inputs import InputSpec
-from fxmem.losses import Loss
 from fxmem.results import Timeline
 from fxmem.rules.cudnn_rnn import CudnnMode, RnnAlgo, RnnGeometry, choose_algo, reserve_bytes, workspace_bytes
 from fxmem.rules.optimizers import OPTIMIZERS
-from fxmem.target import CudaTargetMode
 from tests.h200_models import LastStepLSTM
 from tests.h200_traces import H200, Marks, in_blocks, load, lone_graph, simulate_on_h200, split_at_markers, timeline_marks, trace_marks
 

@@ -1,6 +1,6 @@
 """The cuda target's device stage: the step replayed through the caching allocator, on top of the fixed
 costs, with the per-GPU state of a recipe and a sharding stage. Every expected figure is hand arithmetic
-over the allocator's rules (fxmem/allocator.py cites them) and the overheads' defaults."""
+over the allocator's rules (fxmem/gpu/allocator.py cites them) and the overheads' defaults."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import torch
 from torch import nn
 
 import fxmem
-from fxmem.device import DeviceModel, replay_step
-from fxmem.gpus import get_gpu
-from fxmem.overheads import cuda_overheads
+from fxmem.gpu.device import DeviceModel, replay_step
+from fxmem.gpu.gpus import get_gpu
+from fxmem.gpu.overheads import cuda_overheads
 from fxmem.results import Category, MemoryEvent, Phase, Timeline
 from fxmem.symbolic import ByteExpr
 
 MiB = 2**20
 H100 = get_gpu("h100-80gb")
 WORKSPACES = 2 * 32 * MiB  # two cuBLAS workspaces of ":4096:8" = 8 x 4 MiB on sm_90 (forward and backward threads)
-CONTEXT = 543_162_368  # fxmem.overheads.CONTEXT_BYTES (an H200's, measured), seen only by nvidia-smi
-CUBLAS_KERNELS = 165_675_008  # fxmem.overheads.CUBLAS_KERNELS_BYTES, loaded at the first matmul: nvidia-smi only
-CUDNN_KERNELS = 8 * MiB  # fxmem.overheads.CUDNN_KERNELS_BYTES: only for a step that calls cuDNN
+CONTEXT = 543_162_368  # fxmem.gpu.overheads.CONTEXT_BYTES (an H200's, measured), seen only by nvidia-smi
+CUBLAS_KERNELS = 165_675_008  # fxmem.gpu.overheads.CUBLAS_KERNELS_BYTES, loaded at the first matmul: nvidia-smi only
+CUDNN_KERNELS = 8 * MiB  # fxmem.gpu.overheads.CUDNN_KERNELS_BYTES: only for a step that calls cuDNN
 DRIVER = CONTEXT + CUBLAS_KERNELS  # what a step without cuDNN adds to the allocator's segments in nvidia-smi
 
 

@@ -18,8 +18,8 @@ import torch
 from fxmem import cli
 from fxmem.api import analyze
 from fxmem.errors import CaptureError, FxmemError, InputSpecError
+from fxmem.frontends.load import load_leaf_types, load_model
 from fxmem.inputs import InputSpec, parse_inputs
-from fxmem.load import load_leaf_types, load_model
 from fxmem.measure import measure_peak
 
 ROOT = Path(__file__).resolve().parent.parent

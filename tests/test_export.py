@@ -160,7 +160,7 @@ def test_a_padding_mask_keeps_the_materialized_mask_which_eager_builds_too(llama
 
 
 def test_eager_code_paths_decide_only_without_tensors_and_are_restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxmem.hf_paths import eager_code_paths
+    from fxmem.frontends.hf_paths import eager_code_paths
 
     masking = pytest.importorskip("transformers.masking_utils")
     monkeypatch.setattr(masking, "is_torchdynamo_exporting", lambda: True)  # as under torch.export
@@ -200,7 +200,7 @@ def test_bert_with_a_symbolic_sequence_within_its_positions_matches_its_eager_ru
 
 
 def test_suggested_bounds_are_read_from_torchs_message() -> None:
-    from fxmem.exporting import _suggested_dims
+    from fxmem.frontends.exporting import _suggested_dims
 
     dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
     message = "Constraints violated (seq)! ...\nSuggested fixes:\n  seq = Dim('seq', min=3, max=64)"

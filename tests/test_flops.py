@@ -1,4 +1,4 @@
-"""fxmem.flops: FLOPs equal torch's FlopCounterMode on every zoo model, symbolic FLOPs are linear in B,
+"""fxmem.engine.flops: FLOPs equal torch's FlopCounterMode on every zoo model, symbolic FLOPs are linear in B,
 and bytes moved follow Note [Bytes moved] (hand arithmetic inline)."""
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxmem
-import fxmem.flops
-from fxmem.capture import fake_batch
-from fxmem.flops import IGNORED, IGNORED_REASONS, FlopTally, is_view_like, op_cost
+import fxmem.engine.flops
+from fxmem.engine.capture import fake_batch
+from fxmem.engine.flops import IGNORED, IGNORED_REASONS, FlopTally, is_view_like, op_cost
+from fxmem.engine.losses import get_loss
 from fxmem.inputs import make_tensor, parse_inputs
-from fxmem.losses import get_loss
 from models_zoo import ZOO
 
 aten = torch.ops.aten
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(fxmem.flops, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(fxmem.engine.flops, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -99,7 +99,7 @@ def test_linear_flops_are_linear_in_the_batch_symbol() -> None:
 # --- op_cost on real tensors ----------------------------------------------------------------------------
 
 
-def _cost(func: torch._ops.OpOverload, *args: object) -> fxmem.flops.OpCost:
+def _cost(func: torch._ops.OpOverload, *args: object) -> fxmem.engine.flops.OpCost:
     cost = op_cost(func, args, {}, func(*args))
     assert cost is not None
     return cost

@@ -7,15 +7,15 @@ import doctest
 import pytest
 import torch
 
-import fxmem.gpus
+import fxmem.gpu.gpus
 from fxmem.errors import InputSpecError
-from fxmem.gpus import GPUS, GpuSpec, get_gpu
+from fxmem.gpu.gpus import GPUS, GpuSpec, get_gpu
 
 REQUIRED = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie", "h200", "l4", "l40s", "rtx4090", "rtx3090", "v100-32gb", "t4")
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(fxmem.gpus, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(fxmem.gpu.gpus, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -1,5 +1,5 @@
 """Optimizer rules against real optimizers: state after a real step, per implementation, and the
-optimizers fxmem writes itself (fxmem/optim.py) against the algorithms they stand for."""
+optimizers fxmem writes itself (fxmem/rules/extra_optimizers.py) against the algorithms they stand for."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fxmem.errors import InputSpecError
-from fxmem.optim import Adafactor, Adam8bit, Lion
+from fxmem.rules.extra_optimizers import Adafactor, Adam8bit, Lion
 from fxmem.rules.optimizers import OPTIMIZERS, OptimizerRule, default_impl
-from fxmem.state import get_optimizer
+from fxmem.step.state import get_optimizer
 
 COMBOS = [(name, impl) for name, rule in OPTIMIZERS.rules().items() for impl in (None, *rule.impls)]
 

@@ -6,11 +6,11 @@ import doctest
 
 import pytest
 
-import fxmem.overheads
-from fxmem.allocator import replay
+import fxmem.gpu.overheads
 from fxmem.errors import InputSpecError
-from fxmem.gpus import get_gpu
-from fxmem.overheads import (
+from fxmem.gpu.allocator import replay
+from fxmem.gpu.gpus import get_gpu
+from fxmem.gpu.overheads import (
     CONTEXT_BYTES,
     CUBLAS_KERNELS_BYTES,
     CUDNN_KERNELS_BYTES,
@@ -25,7 +25,7 @@ KiB, MiB = 2**10, 2**20
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(fxmem.overheads, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(fxmem.gpu.overheads, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import fxmem
-from fxmem.peak import StepPeaks, envelope, points
 from fxmem.results import Category, MemoryEvent, Phase, Timeline
+from fxmem.step.peak import StepPeaks, envelope, points
 from fxmem.symbolic import ByteExpr
 
 
@@ -116,7 +116,7 @@ def test_death_notices_give_the_timeline_a_full_scan_gives(monkeypatch: pytest.M
     # memory]); where torch would not keep a storage's Python object alive with the storage, it asks
     # every live storage expired() before every op instead. Both must see the same releases at the same
     # places, in the same order, at B=1 (simulated on its own) and B=3 (from the symbolic timeline).
-    from fxmem import timeline
+    from fxmem.step import timeline
 
     assert timeline._storage_deaths_are_seen(), "this torch should let the tracker use death notices"
 

@@ -7,8 +7,9 @@ import json
 import pytest
 from torch import nn
 
-from fxmem.report import format_bytes, render
-from fxmem.results import Accounting, NodeInfo, NodeRecord, Report, StateBytes
+from fxmem.output.render import format_bytes, render
+from fxmem.report import Report
+from fxmem.results import Accounting, NodeInfo, NodeRecord, StateBytes
 from fxmem.symbolic import ByteExpr
 from tests.helpers import analyze_on_meta
 

@@ -1,5 +1,5 @@
-"""fxmem.roofline: hand-computed roofline times on the A100 80GB (bf16 dense peak 312e12 FLOP/s,
-fp32 19.5e12 FLOP/s, DRAM bandwidth 2039e9 B/s, from its datasheet in fxmem.gpus)."""
+"""fxmem.cost.roofline: hand-computed roofline times on the A100 80GB (bf16 dense peak 312e12 FLOP/s,
+fp32 19.5e12 FLOP/s, DRAM bandwidth 2039e9 B/s, from its datasheet in fxmem.gpu.gpus)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import doctest
 import pytest
 import torch
 
-import fxmem.roofline
+import fxmem.cost.roofline
+from fxmem.cost.roofline import Bound, op_time, step_time
 from fxmem.errors import InputSpecError
-from fxmem.gpus import get_gpu
+from fxmem.gpu.gpus import get_gpu
 from fxmem.results import Phase
-from fxmem.roofline import Bound, op_time, step_time
 
 A100 = get_gpu("a100-80gb")
 
@@ -31,7 +31,7 @@ ADD_BYTES = 3 * 2**28 * 4
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(fxmem.roofline, optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(fxmem.cost.roofline, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
 
 

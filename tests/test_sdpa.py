@@ -26,13 +26,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxmem.losses import Loss
+from fxmem.engine.losses import Loss
+from fxmem.gpu.target import CudaTargetMode
 from fxmem.results import Timeline
 from fxmem.rules import torch_release
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.rules.sdpa import SdpBackend, choose_sdp_backend
 from fxmem.rules.sdpa_buffers import cudnn_attention_backward_workspace, efficient_attention_backward_workspace
-from fxmem.target import CudaTargetMode
 from tests.h200_traces import H200, Marks, load, lone_graph, simulate_on_h200, timeline_marks, trace_marks
 
 A100 = (8, 0)

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-import fxmem.sharding
+import fxmem.step.sharding
 from fxmem.errors import InputSpecError
 from fxmem.results import StateBytes
-from fxmem.sharding import STAGES, shard_state, units_of
-from fxmem.state import get_optimizer, state_bytes
+from fxmem.step.sharding import STAGES, shard_state, units_of
+from fxmem.step.state import get_optimizer, state_bytes
 
 PSI = 7_500_000_000
 """The ZeRO paper's example model (Rajbhandari et al. 2020, figure 1 and section 5): 7.5B parameters."""
@@ -150,5 +150,5 @@ def test_state_units_and_sharding_together() -> None:
 
 
 def test_docstring_examples() -> None:
-    result = doctest.testmod(fxmem.sharding)
+    result = doctest.testmod(fxmem.step.sharding)
     assert result.attempted > 0 and result.failed == 0

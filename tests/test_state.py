@@ -8,7 +8,7 @@ from torch import nn
 
 from fxmem.errors import InputSpecError
 from fxmem.rules.optimizers import OPTIMIZERS
-from fxmem.state import get_optimizer, state_bytes
+from fxmem.step.state import get_optimizer, state_bytes
 
 
 def _model() -> nn.Module:
@@ -131,9 +131,9 @@ def test_bad_precision_and_target_are_input_errors() -> None:
 def test_docstring_examples() -> None:
     import doctest
 
-    import fxmem.precision
-    import fxmem.state
+    import fxmem.step.precision
+    import fxmem.step.state
 
-    for module in (fxmem.precision, fxmem.state):
+    for module in (fxmem.step.precision, fxmem.step.state):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0

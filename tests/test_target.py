@@ -1,4 +1,4 @@
-"""The cuda target's kernels on fake CPU tensors: SDPA backend, fused dropout, autocast (fxmem/target.py).
+"""The cuda target's kernels on fake CPU tensors: SDPA backend, fused dropout, autocast (fxmem/gpu/target.py).
 
 Each capture runs the real pipeline (fx trace, then ``capture_saved`` with a symbolic B) inside
 ``CudaTargetMode`` and sums the activation storages autograd saved: ``per_sample`` bytes per batch
@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxmem.capture import capture_saved
+from fxmem.engine.capture import capture_saved
+from fxmem.engine.losses import get_loss
+from fxmem.frontends.tracing import trace_model
+from fxmem.gpu.target import CudaTargetMode, SdpBackend, choose_sdp_backend
 from fxmem.inputs import parse_inputs
-from fxmem.losses import get_loss
 from fxmem.results import Capture, Kind
 from fxmem.symbolic import ByteExpr
-from fxmem.target import CudaTargetMode, SdpBackend, choose_sdp_backend
-from fxmem.tracing import trace_model
 
 BF16, FP32, BOOL = 2, 4, 1  # bytes per element
 H100 = (9, 0)

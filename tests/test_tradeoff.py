@@ -8,10 +8,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxmem
+from fxmem.cost.tradeoff import BN_THRESHOLD, batches_to_try, batchnorm_caveat
+from fxmem.engine.losses import get_loss
 from fxmem.inputs import parse_inputs
-from fxmem.losses import get_loss
 from fxmem.measure import make_tensor
-from fxmem.tradeoff import BN_THRESHOLD, batches_to_try, batchnorm_caveat
 from models_zoo import ZOO
 from tests.helpers import analyze_on_meta
 
@@ -114,8 +114,8 @@ def test_node_costs_by_hand() -> None:
     # = 256 KiB) and W (4 MiB) and writes out (256 KiB); backward reads x (256 KiB) and grad_out, which
     # the sum loss makes as one float expanded to 64 x 1024 (stride 0: 4 bytes read), and writes grad_W
     # (4 MiB). 8 MiB + 768 KiB + 4 B moved in all.
-    from fxmem.gpus import get_gpu
-    from fxmem.tradeoff import node_costs
+    from fxmem.cost.tradeoff import node_costs
+    from fxmem.gpu.gpus import get_gpu
 
     report = analyze_on_meta(lambda: nn.Linear(1024, 1024, bias=False), ["B,1024"], optimizer="sgd", batch=64)
     (linear,) = [n for n in node_costs(report.timeline(64), 64, get_gpu("a100-80gb")) if n.node == "linear"]

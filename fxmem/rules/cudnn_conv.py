@@ -65,6 +65,13 @@ _WHAT = "cuDNN convolution workspace"
 #       * strided 1x1 kernels: X + Y + 16 (forward), + 16 or 147 (data), + 144 (weight gradient).
 #       * 1x1 kernels, stride 1: forward and data gradient 0 to 656 bytes (charged 0); the weight
 #         gradient one fp32 partial weight gradient per sample, b * Wf (1 to 50 of them at B = 1).
+#         ResNet-50's 1x1 layers at B = 1 to 64 (trace_conv_batches, 192 calls) add: where the copies
+#         X + Y are under half of b * Wf and b * Wf passes 8 MiB (7x7 images; 14x14 ones in bf16 from
+#         B = 8 or 16), the weight gradient copies X and Y (+ 16) instead. A fit, not a law: it gets
+#         113 of the 120 weight gradients at B >= 4 exact within 1 KiB, over-estimates 3 and under-
+#         estimates 4 (by 2 to 8.3 MiB), where cuDNN's heuristics went the other way. There the forward
+#         and data gradient also copy X and Y at 7x7 from B = 4 (bf16) or 16 (fp32), and split into up
+#         to 16 partials at B = 1 in fp32: not charged, but inside the bound.
 #       * no workspace: forwards of fewer than 4 input channels (an image stem, a 1-channel volume),
 #         fp32 stride-1 data gradients into at most 8 channels (and 2-D ones into fewer than 4), bf16
 #         strided data gradients into 1 channel, and depthwise convolutions, which ATen runs with its
@@ -82,7 +89,7 @@ _WHAT = "cuDNN convolution workspace"
 #     the padded copies and the median, 17.3 MB, are charged). ``ConvWorkspace.bound`` charges, for every
 #     direction, the largest family (the padded copies of all three operands, b * Wf, the FFT engine
 #     where it was seen: fp32 2-D kernels of 5x5 or more, stride 1) plus 16 MiB of split-K partials
-#     (the most seen: 10.2 MB); 1x1 kernels' forward and data gradient are bounded by 1 KiB. Every
+#     (the most seen: 10.2 MB), 1x1 kernels' forward and data gradient included. Every
 #     sweep workspace is within its bound. Not modelled: channels-last inputs, fp16 depthwise through
 #     cuDNN, GPUs other than the H200 (cuDNN's heuristics depend on the architecture), cudnn.benchmark,
 #     and the bias gradient's ``sum``, whose CUDA reduction stages up to an eighth of grad_output after
@@ -94,13 +101,16 @@ _STRIDED_DATA_TRAILER = 16 + 131
 """The trailer of fp32 strided 3-D and strided 1x1 data gradients (their engines add 131 bytes)."""
 _GATHER_WEIGHT_TRAILER = 144
 """The strided 1x1 weight gradient's trailer."""
-_SMALL_BOUND = 1024
-"""1x1 kernels' forward and data gradient: the most seen was 656 bytes."""
 _SPLIT_ALLOWANCE = 16 * 2**20
 """The bound's room for split-K partial sums (the most seen: 10.2 MB, a 256-channel 3x3 weight gradient)."""
 _SPLIT_MEDIAN = {(4, 2): 2_224_312, (4, 3): 987_307, (2, 2): 128, (2, 3): 557_359}
 """The median excess of a weight gradient's workspace over its layout transform, by (element size,
 spatial dims), over the sweep (tests/test_cudnn_conv.py recomputes it)."""
+_PAIR_SHARE = 2
+"""A 1x1 weight gradient copies X and Y, not per-sample partials, only where the copies are under
+half the partials (Note [cuDNN convolution workspaces]) ..."""
+_PARTIALS_UP_TO = 8 * 2**20
+"""... and the partials would take more than 8 MiB."""
 _FFT_TILE = 128 * 65 * 8
 """One complex64 spectrum of a 128x128 tile, real-to-complex (128 x 65)."""
 _FEW_CHANNELS = 4
@@ -134,6 +144,8 @@ class Law(StrEnum):
     """A strided 1x1 kernel: the gathered input and the output."""
     BATCH_SPLIT = "per-sample partials"
     """A 1x1 weight gradient: one fp32 partial weight gradient per sample."""
+    PAIR = "input and output copies"
+    """A 1x1 weight gradient whose copies of X and Y cost less than per-sample partials (small images)."""
     SPLIT = "layout transform + split-K (fitted)"
     """A weight gradient: the layout transform and split-K partials whose size is cuDNN's choice."""
 
@@ -258,6 +270,13 @@ _LAWS: dict[Direction, Callable[[ConvFrame], Law]] = {
 }
 
 
+def _copies_instead(f: ConvFrame, batch: int) -> bool:
+    """Whether a 1x1 weight gradient copies X and Y rather than keep per-sample partials: where the
+    partials would pass ``_PARTIALS_UP_TO`` and the copies cost under 1 / ``_PAIR_SHARE`` of them."""
+    partials = batch * f.w(itemsize=4)
+    return partials > _PARTIALS_UP_TO and _PAIR_SHARE * (f.x(batch) + f.y(batch)) < partials
+
+
 def _transform(f: ConvFrame, batch: int, direction: Direction) -> int:
     """Padded NHWC copies of X, W and Y and the trailer: the layout-transform family."""
     if direction != Direction.DATA:
@@ -293,6 +312,8 @@ def _estimate(f: ConvFrame, law: Law, direction: Direction, batch: int) -> int:
         return f.x(batch, True) + f.w(True) + _TRAILER
     if law == Law.BATCH_SPLIT:
         return batch * f.w(itemsize=4)
+    if law == Law.PAIR:
+        return f.x(batch) + f.y(batch) + _TRAILER
     if law == Law.SPLIT:
         return _weight_transform(f, batch) + _SPLIT_MEDIAN[4 if f.itemsize >= 4 else 2, 3 if f.dims >= 3 else 2]
     return _transform(f, batch, direction)
@@ -302,8 +323,6 @@ def _bound(f: ConvFrame, law: Law, direction: Direction, batch: int) -> int:
     """The most any family seen for such a convolution would ask for (Note [cuDNN convolution workspaces])."""
     if f.depthwise:
         return 0
-    if law == Law.SMALL:
-        return _SMALL_BOUND
     copies = max(_transform(f, batch, Direction.DATA), _weight_transform(f, batch), f.x(batch) + f.y(batch) + _GATHER_WEIGHT_TRAILER)
     if direction == Direction.WEIGHT:
         copies = max(copies, batch * f.w(itemsize=4), _fft(f, batch))
@@ -322,6 +341,8 @@ def conv_workspace(frame: ConvFrame, direction: Direction, batch: int) -> ConvWo
     ('layout transform', 16780688, True, True)
     """
     law = Law.NONE if frame.depthwise else _LAWS[direction](frame)
+    if law == Law.BATCH_SPLIT and _copies_instead(frame, batch):
+        law = Law.PAIR
     estimate = _estimate(frame, law, direction, batch)
     return ConvWorkspace(direction, law, estimate, max(estimate, _bound(frame, law, direction, batch)))
 

@@ -8,7 +8,7 @@ itself records what ``CudnnRnnBackward0`` keeps (tools/autograd/derivatives.yaml
 cx, output, the reserve, the flat weight buffer, the dropout state). Three things the fake tensors
 cannot know are supplied here: the reserve's size (its meta kernel makes 0 bytes), the workspaces of
 the forward and backward kernels (``cudnnGetRNNTempSpaceSizes``), and a fake ``_cudnn_rnn_backward``
-(torch has none). fxmem/rules/ops.py registers the rules; fxmem/target.py routes the calls here.
+(torch has none). fxmem/rules/ops.py registers the rules; fxmem/gpu/target.py routes the calls here.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def highest(batch: Any, marks: Callable[[int, int], Sequence[int]], plus: Any = 
     A concrete batch gets its number. A symbolic one gets the lines of the kernels large batches
     pick that are the largest somewhere from B = 2 up, and a check of whether they are the bytes at
     a given batch, where other kernels may run (Note [Kernel choices that change with the batch] in
-    fxmem/timeline.py)."""
+    fxmem/step/timeline.py)."""
     if not isinstance(batch, torch.SymInt):
         return max(marks(int(batch), int(batch))) + plus
     large = marks(1, _LARGE)

@@ -2,7 +2,7 @@
 
 State is created inside the first ``step()``; these rules give what exists after it. Each rule gets a
 parameter's shape and element size and returns its state bytes; ``make`` builds the real optimizer
-(torch's, or fxmem/optim.py's for those torch lacks) so that tests can check the rule against
+(torch's, or fxmem/rules/extra_optimizers.py's for those torch lacks) so that tests can check the rule against
 ``optimizer.state`` after a real step, and the timeline can run its step on fake tensors.
 
 Implementations (``impl``): "for-loop" (one parameter at a time), "foreach" (torch._foreach_* over
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from fxmem.errors import InputSpecError
-from fxmem.optim import Adafactor, Adam8bit, Lion, adam8bit_state_bytes
 from fxmem.rules import Registry
+from fxmem.rules.extra_optimizers import Adafactor, Adam8bit, Lion, adam8bit_state_bytes
 
 __all__ = ["IMPLS", "OPTIMIZERS", "OptimizerRule", "default_impl", "register_optimizer"]
 

@@ -4,7 +4,7 @@
 so that autograd itself records what the kernel's derivative saves (tools/autograd/derivatives.yaml);
 the math path is a Python copy of its composite that takes CUDA's fused dropout. The workspace rules at
 the end (registered in fxmem/rules/ops.py) charge what the kernels allocate and free inside, which no
-fake tensor shows. ``fxmem/target.py`` routes every ``scaled_dot_product_attention`` of a cuda-target
+fake tensor shows. ``fxmem/gpu/target.py`` routes every ``scaled_dot_product_attention`` of a cuda-target
 pass here, with the torch release the training job runs (``--torch-version``; default: fxmem's own).
 """
 

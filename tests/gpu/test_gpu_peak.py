@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import fxmem
-from fxmem.gpus import GPUS
+from fxmem.gpu.gpus import GPUS
 from fxmem.measure import measure_peak
 from tests.h200_models import H200_MODELS
 

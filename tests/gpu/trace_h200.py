@@ -1,6 +1,6 @@
 """Record what a GPU allocates, block by block, for the six shared models and for single kernels.
 
-A diagnostic, never run by CI: ``python tests/gpu/trace_h200.py OUT_DIR [--quick]``. For each model of
+A diagnostic, never run by CI: ``python tests/gpu/trace_h200.py OUT_DIR [--quick | --conv-batches]``. For each model of
 tests/h200_models.py, in fp32 and under bf16 autocast, it records the CUDA caching allocator's trace
 (``torch.cuda.memory._record_memory_history``) of a first and a second training step, with a marker
 allocation between phases, and the blocks alive before the step with the Python line that made each.
@@ -247,6 +247,19 @@ def trace_conv(case: dict[str, Any], batch: int, amp: bool, input_grad: bool) ->
     return record
 
 
+def batch_conv_cases() -> Iterator[dict[str, Any]]:
+    """ResNet-50's pointwise convolutions (and a few 3x3 ones): the sweep above stops at B = 4, and
+    the per-sample partials of a 1x1 weight gradient were seen to stop growing somewhere beyond."""
+    shapes = [
+        (64, 64, 1, 56), (64, 256, 1, 56), (256, 64, 1, 56), (256, 128, 1, 56), (128, 512, 1, 28), (512, 128, 1, 28),
+        (512, 256, 1, 28), (256, 1024, 1, 14), (1024, 256, 1, 14), (1024, 512, 1, 14), (512, 2048, 1, 7), (2048, 512, 1, 7),
+        (64, 64, 3, 56), (128, 128, 3, 28), (256, 256, 3, 14), (512, 512, 3, 7),
+    ]  # fmt: skip
+    for cin, cout, k, hw in shapes:
+        args = dict(in_channels=cin, out_channels=cout, kernel_size=k, stride=1, padding=k // 2, groups=1)
+        yield {"kind": "Conv2d", "args": args, "spatial": [hw, hw]}
+
+
 def rnn_cases() -> Iterator[dict[str, Any]]:
     for kind in ("LSTM", "GRU"):
         for inp, hid, layers, bi in ((64, 256, 2, False), (32, 128, 1, True), (300, 1000, 1, False), (128, 512, 3, True)):
@@ -350,6 +363,11 @@ def main() -> int:
         "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "allocated_at_import": torch.cuda.memory_allocated(),
     }  # fmt: skip
+    if "--conv-batches" in sys.argv:  # python tests/gpu/trace_h200.py OUT_DIR --conv-batches
+        convs = [trace_conv(c, b, amp, True) for c in batch_conv_cases() for b in (1, 4, 8, 16, 32, 64) for amp in (False, True)]
+        write(out_dir, "conv_batches", {"env": env, "cases": convs})
+        print(f"conv batches {len(convs)} {time.perf_counter() - start:.0f} s", flush=True)
+        return 0
     models = []
     for name in H200_MODELS:
         for amp in (False, True):

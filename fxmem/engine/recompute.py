@@ -2,7 +2,7 @@
 
 The passes that run a graph (capture, the step's timeline, the real per-node measurement) interpret it
 with ``RegionInterpreter``: torch itself then decides what a region keeps, and backward recomputes it.
-See Note [Checkpointed regions] in fxmem/checkpointing.py, which finds the regions.
+See Note [Checkpointed regions] in fxmem/frontends/checkpointing.py, which finds the regions.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_leaves
 
-from fxmem.checkpointing import Region, checkpoint_regions
 from fxmem.errors import CaptureError, FxmemError
+from fxmem.frontends.checkpointing import Region, checkpoint_regions
 
 __all__ = ["SIGNALS", "RegionInterpreter"]
 

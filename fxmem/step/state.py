@@ -1,11 +1,11 @@
-"""Stage 5: model state, the pile that depends only on the parameters: weights, buffers, gradients,
+"""Model state, the pile that depends only on the parameters: weights, buffers, gradients,
 an fp32 master copy and optimizer state. Tied parameters are counted once; frozen ones have no
 gradient, no master copy and no state.
 
 Without a ``precision`` recipe every parameter keeps its own dtype (or ``param_dtype``) for its
-weights, gradient and optimizer state. With one, the recipe (fxmem/precision.py) fixes the bytes of
+weights, gradient and optimizer state. With one, the recipe (fxmem/step/precision.py) fixes the bytes of
 each floating parameter; buffers keep their dtype either way. Sharding across GPUs is applied to
-the result afterwards (fxmem/sharding.py).
+the result afterwards (fxmem/step/sharding.py).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from torch import nn
 
 from fxmem.errors import InputSpecError
 from fxmem.inputs import dtype_name
-from fxmem.precision import PrecisionRecipe, get_recipe
 from fxmem.results import StateBytes
 from fxmem.rules import Registry
 from fxmem.rules.optimizers import OPTIMIZERS, OptimizerRule
-from fxmem.training import TARGETS
+from fxmem.step.precision import PrecisionRecipe, get_recipe
+from fxmem.step.training import TARGETS
 
 __all__ = ["TARGETS", "get_optimizer", "state_bytes"]
 

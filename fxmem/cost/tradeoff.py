@@ -1,12 +1,12 @@
-"""Stage 9: what a batch size costs besides memory: FLOPs, a roofline lower bound on step time, the
+"""What a batch size costs besides memory: FLOPs, a roofline lower bound on step time, the
 trade-off table, and the batch-norm caveat.
 
-The simulated step (stage 6) records every op's FLOPs (torch.utils.flop_counter's formulas) and bytes
+The simulated step (fxmem/step/timeline.py) records every op's FLOPs (torch.utils.flop_counter's formulas) and bytes
 moved, as polynomials in B. Here they become, at any batch size:
 
 - FLOPs per phase (``flop_count``): forward (with the loss), backward and the optimizer step;
 - a roofline estimate (``step_estimate``): per op ``max(flops / peak, bytes / bandwidth)`` on the GPU
-  named by ``--gpu`` (fxmem/roofline.py), summed over the step. It is a lower bound on the step's time,
+  named by ``--gpu`` (fxmem/cost/roofline.py), summed over the step. It is a lower bound on the step's time,
   never a benchmark: kernels reach a fraction of peak and launches cost time the bound leaves out;
 - the trade-off table (``tradeoff``): memory and estimated throughput for batch sizes from 1 to the
   largest that fits.
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fxmem.flops import IGNORED
-from fxmem.gpus import GpuSpec
+from fxmem.cost.roofline import Bound, StepTime, op_time, step_time
+from fxmem.engine.flops import IGNORED
+from fxmem.gpu.gpus import GpuSpec
 from fxmem.results import OpCostRecord, Phase, Timeline
-from fxmem.roofline import Bound, StepTime, op_time, step_time
 from fxmem.symbolic import ByteExpr
 
 __all__ = [
@@ -60,7 +60,7 @@ Normalization" (ECCV 2018), Figure 1: BatchNorm's ImageNet error rises steeply b
 _FORWARD = (Phase.FORWARD, Phase.LOSS)
 _TF32_OPS = frozenset({"aten.convolution", "aten.convolution_backward", "aten._convolution"})
 _NO_ARITHMETIC = frozenset(str(p) for p in IGNORED)
-"""Ops known to do no arithmetic (fxmem/flops.py gives each its reason): never listed as missing."""
+"""Ops known to do no arithmetic (fxmem/engine/flops.py gives each its reason): never listed as missing."""
 _PEAK_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -3,9 +3,9 @@
 This is a roofline, not a benchmark: each op takes at least the time to do its arithmetic at the
 GPU's dense peak, and at least the time to move its bytes at peak DRAM bandwidth, whichever is longer;
 the step takes at least the sum over its ops. A real step is slower: kernels reach a fraction of peak,
-launches cost microseconds, and ops without a FLOP formula (see ``fxmem.flops``) count only their bytes.
+launches cost microseconds, and ops without a FLOP formula (see ``fxmem.engine.flops``) count only their bytes.
 
->>> from fxmem.gpus import get_gpu
+>>> from fxmem.gpu.gpus import get_gpu
 >>> t = op_time(2 * 4096**3, 3 * 4096**2 * 2, torch.bfloat16, get_gpu("h100-80gb"))
 >>> t.bound, round(t.seconds * 1e6, 1)  # microseconds
 (<Bound.COMPUTE: 'compute'>, 138.9)
@@ -21,12 +21,12 @@ The model is PyTorch's ``RuntimeEstimator._roofline_estimate``
 - It needs CUDA: the peak comes from the running GPU (``torch._inductor.utils.get_device_tflops``: the
   datasheet table in ``torch/_inductor/analysis/device_info.py``, else Triton's clock-rate estimate)
   and the bandwidth from Triton's ``get_dram_gbps``. We take both from the datasheet of a GPU named
-  in ``fxmem.gpus``, so the estimate runs on a CPU for any target.
+  in ``fxmem.gpu.gpus``, so the estimate runs on a CPU for any target.
 - It derates compute: ``flops_to_ns`` divides the FLOPs by 2 (MACs) and the peak by 0.75. We divide
   FLOPs by the full dense peak, so ours stays a bound rather than a guess at achieved efficiency.
 - It skips views *and* creation ops (``_IGNORE_OPS``) entirely, and reads every tensor argument even
   when one is passed twice. We charge creation ops their writes and read each tensor once
-  (see Note [Bytes moved] in fxmem/flops.py).
+  (see Note [Bytes moved] in fxmem/engine/flops.py).
 - It reports milliseconds per module; we sum seconds per phase of the step.
 """
 
@@ -39,7 +39,7 @@ from enum import StrEnum
 import torch
 
 from fxmem.errors import InputSpecError
-from fxmem.gpus import GpuSpec
+from fxmem.gpu.gpus import GpuSpec
 from fxmem.results import Phase
 
 __all__ = ["Bound", "OpTime", "PhaseTime", "StepTime", "op_time", "step_time"]

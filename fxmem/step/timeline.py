@@ -1,4 +1,4 @@
-"""Stage 6: one whole training step on fake tensors, allocation by allocation.
+"""One whole training step on fake tensors, allocation by allocation.
 
 The step is the one users write::
 
@@ -55,16 +55,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from fxmem.binding import bind_inputs, swapped_state
-from fxmem.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
-from fxmem.checkpointing import Region
-from fxmem.dispatch import OpRule, OpRuleMode
+from fxmem.engine.binding import bind_inputs, swapped_state
+from fxmem.engine.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
+from fxmem.engine.dispatch import OpRule, OpRuleMode
+from fxmem.engine.flops import OpCost, is_view_like, op_cost
+from fxmem.engine.losses import Loss
+from fxmem.engine.recompute import SIGNALS as CHECKPOINT_SIGNALS
+from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
-from fxmem.flops import OpCost, is_view_like, op_cost
+from fxmem.frontends.checkpointing import Region
 from fxmem.inputs import InputSpec, dtype_name
-from fxmem.losses import Loss
-from fxmem.recompute import SIGNALS as CHECKPOINT_SIGNALS
-from fxmem.recompute import RegionInterpreter
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
@@ -85,7 +85,7 @@ inside, or, with a symbolic batch, ``WorkspaceLines`` (Note [Kernel choices that
 #     the largest point over the step, takes the largest of them at every B; and a check of whether
 #     those lines are the kernel's bytes at a given B (another kernel may run there). The symbolic
 #     timeline keeps the checks (``Timeline.checks``); a batch that one of them fails is simulated on
-#     its own when asked (stage 7, fxmem/peak.py), so every figure at a batch is exact, and only the
+#     its own when asked (fxmem/step/peak.py), so every figure at a batch is exact, and only the
 #     envelope over all B (``max_batch``'s search aside) follows the lines.
 
 

@@ -26,7 +26,7 @@ Note [Where the replay can differ from the GPU]
 - Other streams (NCCL, user streams, ``record_stream``) delay frees and keep separate free lists; we
   model one stream.
 - Memory that bypasses the caching allocator (the CUDA context, cuBLAS's own workspace when PyTorch does
-  not hand it one, NCCL buffers) is not here; see fxmem/overheads.py.
+  not hand it one, NCCL buffers) is not here; see fxmem/gpu/overheads.py.
 - Out of memory. Without ``capacity`` the GPU is unbounded. With it, a ``cudaMalloc`` that would not
   fit first frees every cached segment that holds no live block (``release_cached_blocks``; with the
   default ``max_split_size`` ``release_available_cached_blocks`` does nothing) and tries again; if that

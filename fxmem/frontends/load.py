@@ -1,4 +1,4 @@
-"""Stage 1: resolve a model spec to a module on the meta device and its default inputs.
+"""Resolve a model spec to a module on the meta device and its default inputs.
 
 Specs: ``zoo:NAME`` (models_zoo; ``zoo:NAME:test`` for its small test config), ``hf:NAME`` or
 ``hf:path/config.json`` (Hugging Face, from the config alone), ``torchvision:NAME`` and ``timm:NAME``
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from fxmem.errors import FxmemError, LoadError
-from fxmem.huggingface import hf_factory
+from fxmem.frontends.huggingface import hf_factory
+from fxmem.frontends.vision import timm_factory, torchvision_factory
 from fxmem.results import ModelSpec
-from fxmem.vision import timm_factory, torchvision_factory
 
 __all__ = ["load_leaf_types", "load_model"]
 

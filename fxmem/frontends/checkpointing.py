@@ -1,6 +1,6 @@
-"""Activation checkpointing, stage 2's part: find each ``torch.utils.checkpoint`` call while tracing.
+"""Activation checkpointing, the frontends' part: find each ``torch.utils.checkpoint`` call while tracing.
 
-fxmem/recompute.py runs the regions found here through the real checkpoint.
+fxmem/engine/recompute.py runs the regions found here through the real checkpoint.
 
 Note [Checkpointed regions]
     ``torch.fx.symbolic_trace`` runs ``checkpoint(fn, *args)`` like any Python call, so the nodes of

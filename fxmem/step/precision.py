@@ -97,5 +97,5 @@ section 3.1): fp16 weights and gradients, then an fp32 master copy, momentum and
 def get_recipe(name: str) -> PrecisionRecipe:
     """Validate a recipe name at the boundary."""
     if name not in RECIPES:
-        raise InputSpecError(f"unknown precision '{name}'; use one of: {', '.join(RECIPES)} (see fxmem.precision for what each holds).")
+        raise InputSpecError(f"unknown precision '{name}'; use one of: {', '.join(RECIPES)} (see fxmem.step.precision for what each holds).")
     return RECIPES[name]

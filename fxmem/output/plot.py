@@ -7,11 +7,14 @@ when a picture is asked for, with the non-interactive Agg backend (no display ne
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fxmem.errors import InputSpecError
-from fxmem.report import format_bytes
-from fxmem.results import Category, Report, Timeline
+from fxmem.output.render import format_bytes
+from fxmem.results import Category, Timeline
+
+if TYPE_CHECKING:
+    from fxmem.report import Report
 
 __all__ = ["plot_batches", "plot_timeline"]
 

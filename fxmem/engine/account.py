@@ -1,4 +1,4 @@
-"""Stage 4: turn the passes' saved storages into activation bytes per node, as a*B + c.
+"""Turn the passes' saved storages into activation bytes per node, as a*B + c.
 
 Note [Why B=1 is measured on its own]
     ShapeEnv assumes a symbolic size is neither 0 nor 1 (0/1 specialization), so the symbolic pass

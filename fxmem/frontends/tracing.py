@@ -1,4 +1,4 @@
-"""Stage 2: trace the model into an fx graph, with ``torch.fx.symbolic_trace``'s tracer or torch.export.
+"""Trace the model into an fx graph, with ``torch.fx.symbolic_trace``'s tracer or torch.export.
 
 Standard ``torch.nn`` modules stay leaves (one node each), as fx does by default; ``leaf_types``
 adds more. A model fx cannot trace gets a TraceError that names the module being traced when it
@@ -16,9 +16,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from fxmem.checkpointing import attach_regions, recording_checkpoints
 from fxmem.errors import InputSpecError, TraceError
-from fxmem.exporting import export_model, export_reason
+from fxmem.frontends.checkpointing import attach_regions, recording_checkpoints
+from fxmem.frontends.exporting import export_model, export_reason
 from fxmem.inputs import InputSpec
 
 __all__ = ["FRONTENDS", "Traced", "trace_model"]

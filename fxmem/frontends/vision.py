@@ -1,4 +1,4 @@
-"""Stage 1 for vision libraries: ``torchvision:NAME`` and ``timm:NAME``, built from the library's own
+"""Loading from vision libraries: ``torchvision:NAME`` and ``timm:NAME``, built from the library's own
 constructors, never with weights.
 
 Both libraries are optional; a spec for one that is not installed (or does not import beside this

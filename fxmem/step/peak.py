@@ -1,4 +1,4 @@
-"""Stage 7: the highest point of the step as a function of B, from the timeline.
+"""The highest point of the step as a function of B, from the timeline.
 
 After each allocation the live bytes are a polynomial ``p_i(B)`` (in B and S): the baseline plus
 every allocation so far minus every release. The step's peak is their upper envelope,
@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fxmem.device import DeviceModel, replay_step
 from fxmem.errors import CaptureError
+from fxmem.gpu.device import DeviceModel, replay_step
 from fxmem.results import Category, DevicePeak, EnvelopePiece, EstimatedBytes, Peak, Phase, Timeline
+from fxmem.step.timeline import steady_step
 from fxmem.symbolic import ByteExpr
-from fxmem.timeline import steady_step
 
 __all__ = ["Points", "StepPeaks", "envelope", "points"]
 

@@ -4,9 +4,9 @@ Each cost is a named line with a cited default that ``--overhead NAME=SIZE`` rep
 where it shows: ``DRIVER`` lines are held by the driver and only nvidia-smi sees them; ``PERSISTENT``
 lines go through PyTorch's caching allocator, allocated once and kept, so they count in
 ``torch.cuda.max_memory_allocated()`` (and in ``memory_reserved`` and nvidia-smi) as well (replay them
-in ``fxmem.allocator.replay(initial=...)``).
+in ``fxmem.gpu.allocator.replay(initial=...)``).
 
->>> from fxmem.gpus import get_gpu
+>>> from fxmem.gpu.gpus import get_gpu
 >>> o = cuda_overheads(get_gpu("a100-80gb"), cublas_workspace_config=":4096:2:16:8", cublaslt_unified=True)
 >>> [(name, nbytes) for name, nbytes, _ in o.lines()]
 [('cuda_context', 543162368), ('cublas_kernels', 165675008), ('cudnn_kernels', 8388608), ('cublas_workspace', 17039360), ('cublaslt_workspace', 0)]
@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from fxmem.errors import InputSpecError
-from fxmem.gpus import GpuSpec
+from fxmem.gpu.gpus import GpuSpec
 from fxmem.rules import TorchRelease, torch_release
 
 __all__ = [
@@ -147,7 +147,7 @@ class Overheads:
 
     def initial_allocations(self) -> tuple[int, ...]:
         """Sizes of the persistent allocator blocks a steady-state step starts with, for
-        ``fxmem.allocator.replay(initial=...)`` (give them storage ids of your own)."""
+        ``fxmem.gpu.allocator.replay(initial=...)`` (give them storage ids of your own)."""
         return tuple(p for o in self.items if o.where is Where.PERSISTENT for p in o.pieces)
 
     def nvidia_smi(self, peak_reserved: int) -> int:
@@ -248,14 +248,14 @@ def cuda_overheads(
 
 
 def _kernels_why(lib: str, when: str) -> str:
-    return f"{lib}'s kernel modules, loaded lazily {when}: measured on an H200 (see fxmem.overheads.{lib.upper()}_KERNELS_BYTES)"
+    return f"{lib}'s kernel modules, loaded lazily {when}: measured on an H200 (see fxmem.gpu.overheads.{lib.upper()}_KERNELS_BYTES)"
 
 
 def _context_why(given: int | None, gpu: GpuSpec) -> str:
     if given is not None:
         return "CUDA context, as given"
     where = "measured on this GPU" if gpu.name == _MEASURED_ON else "measured on an H200, an estimate for this GPU"
-    return f"CUDA context with lazy module loading, {where} (driver 580, CUDA 13; see fxmem.overheads.CONTEXT_BYTES)"
+    return f"CUDA context with lazy module loading, {where} (driver 580, CUDA 13; see fxmem.gpu.overheads.CONTEXT_BYTES)"
 
 
 _MEASURED_ON = "h200"

@@ -31,7 +31,7 @@ def hf_factory(
     """A factory for ``hf:NAME``: resolves the config now (errors early), builds the model when called.
 
     ``checkpoint`` turns on transformers' own activation checkpointing (non-reentrant, every layer),
-    as a training script would; fxmem/checkpointing.py finds its regions in the exported graph.
+    as a training script would; fxmem/frontends/checkpointing.py finds its regions in the exported graph.
     """
     transformers = _import_transformers()
     config = _config(transformers, name)

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from torch import nn
 
 from fxmem.errors import InputSpecError
-from fxmem.precision import get_recipe
-from fxmem.results import StateBytes
+from fxmem.results import PerGpuState, ShardLine, StateBytes
+from fxmem.step.precision import get_recipe
 
-__all__ = ["STAGES", "PerGpuState", "ShardLine", "check_plan", "shard_state", "units_of"]
+__all__ = ["STAGES", "check_plan", "shard_state", "units_of"]
 
 STAGES = ("none", "zero1", "zero2", "zero3", "fsdp")
 
@@ -49,37 +48,6 @@ STAGES = ("none", "zero1", "zero2", "zero3", "fsdp")
 # distributed/fsdp/api.py): two units' parameters and one unit's unsharded gradient. The rate limiter
 # keeps at most two units' all-gathers alive in forward too. With one GPU there is nothing to gather
 # (FSDP then runs NO_SHARD).
-
-
-@dataclass(frozen=True)
-class ShardLine:
-    """One kind of state on each GPU, and why it is that size."""
-
-    nbytes: int
-    why: str
-
-
-@dataclass(frozen=True)
-class PerGpuState:
-    """The model state one of ``world_size`` GPUs holds under ``stage``."""
-
-    stage: str
-    world_size: int
-    weights: ShardLine
-    buffers: ShardLine
-    gradients: ShardLine
-    master: ShardLine
-    optimizer: ShardLine
-    gathered: ShardLine
-    """Transient: full-size parameters (and for FSDP a unit's gradient) alive while a unit runs."""
-
-    def lines(self) -> Iterator[tuple[str, ShardLine]]:
-        for name in ("weights", "buffers", "gradients", "master", "optimizer", "gathered"):
-            yield name, getattr(self, name)
-
-    @property
-    def total(self) -> int:
-        return sum(line.nbytes for _, line in self.lines())
 
 
 def shard_state(state: StateBytes, *, world_size: int, stage: str, units: Sequence[tuple[str, int]] = ()) -> PerGpuState:

@@ -1,4 +1,4 @@
-"""Stage 2, second frontend: ``torch.export`` for models ``torch.fx.symbolic_trace`` cannot trace.
+"""The second frontend: ``torch.export`` for models ``torch.fx.symbolic_trace`` cannot trace.
 
 Hugging Face transformers, models with Python control flow on shapes, models that build masks from
 ``x.shape``: torch.export (non-strict) runs their Python for real on fake inputs, with a ``Dim`` for
@@ -58,9 +58,9 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
 
-from fxmem.checkpointing import attach_exported_regions, tagging_checkpoints
 from fxmem.errors import TraceError
-from fxmem.hf_paths import eager_code_paths, has_eager_code_paths
+from fxmem.frontends.checkpointing import attach_exported_regions, tagging_checkpoints
+from fxmem.frontends.hf_paths import eager_code_paths, has_eager_code_paths
 from fxmem.inputs import InputSpec
 
 __all__ = ["export_model", "export_reason"]

@@ -1,4 +1,4 @@
-"""Stage 3: run the traced graph node by node and record every tensor autograd saves for backward.
+"""Run the traced graph node by node and record every tensor autograd saves for backward.
 
 The same recorder serves two worlds. ``capture_saved`` runs it on fake tensors (FakeTensorMode with a
 ShapeEnv), where the batch axis of every input is one symbol B and parameters are static: no data, no
@@ -33,13 +33,13 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from fxmem.binding import bind_inputs, fake_like, state_kinds, swapped_state
-from fxmem.checkpointing import Region
-from fxmem.dispatch import OpRule, OpRuleMode
+from fxmem.engine.binding import bind_inputs, fake_like, state_kinds, swapped_state
+from fxmem.engine.dispatch import OpRule, OpRuleMode
+from fxmem.engine.losses import Loss
+from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
+from fxmem.frontends.checkpointing import Region
 from fxmem.inputs import InputSpec, dtype_name, has_seq, make_tensor
-from fxmem.losses import Loss
-from fxmem.recompute import RegionInterpreter
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
 from fxmem.symbolic import ByteExpr, DataDependentBytes, label_dim, to_byte_expr
 

@@ -3,7 +3,7 @@
 Everything here is checked at the boundary and then read by the stages: capture and the timeline run
 the forward under ``kernels()`` (what the target's kernels save, and its autocast policy), the state
 stage reads the precision recipe and the sharding plan, and the peak stage replays the step through
-the target's allocator (``fxmem/allocator.py``) where the target is CUDA.
+the target's allocator (``fxmem/gpu/allocator.py``) where the target is CUDA.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 from fxmem.errors import InputSpecError
 from fxmem.rules import TorchRelease, torch_release
 from fxmem.rules.optimizers import IMPLS
-from fxmem.sharding import STAGES as SHARDS
-from fxmem.sharding import check_plan
+from fxmem.step.sharding import STAGES as SHARDS
+from fxmem.step.sharding import check_plan
 
 if TYPE_CHECKING:
-    from fxmem.gpus import GpuSpec
+    from fxmem.gpu.gpus import GpuSpec
 
 __all__ = ["AMP_DTYPES", "DEFAULT_GPU", "IMPLS", "SHARDS", "TARGETS", "TrainingSetup", "amp_dtype"]
 
@@ -43,13 +43,13 @@ class TrainingSetup:
     amp: str | None = None
     """'bf16' or 'fp16': the forward and the loss run under autocast with the target's cast policy."""
     precision: str = ""
-    """A recipe of fxmem/precision.py; '' picks 'amp' when ``amp`` is set, else 'fp32'."""
+    """A recipe of fxmem/step/precision.py; '' picks 'amp' when ``amp`` is set, else 'fp32'."""
     world_size: int = 1
     shard: str = "none"
     optimizer_impl: str | None = None
     """'foreach', 'fused' or 'for-loop'; None: what torch picks on the target device."""
     overheads: dict[str, int] = field(default_factory=dict)
-    """Overrides of the fixed CUDA costs by line name (see fxmem/overheads.py), in bytes."""
+    """Overrides of the fixed CUDA costs by line name (see fxmem/gpu/overheads.py), in bytes."""
     torch_version: str | None = None
     """The torch release the training job runs ("2.11"), whose kernel choices a cuda target follows
     where they changed between releases (SDPA's backend, cuBLASLt's workspace); None: fxmem's own."""
@@ -78,7 +78,7 @@ class TrainingSetup:
     @property
     def device(self) -> GpuSpec:
         """The GPU of a cuda target."""
-        from fxmem.gpus import get_gpu
+        from fxmem.gpu.gpus import get_gpu
 
         return get_gpu(self.gpu)
 
@@ -97,7 +97,7 @@ class TrainingSetup:
         with low-precision weights (bf16, mixed): the step is simulated as after ``model.to(dtype)``."""
         if not self.precision:
             return None
-        from fxmem.precision import get_recipe
+        from fxmem.step.precision import get_recipe
 
         dtype = get_recipe(self.precision).weight_dtype
         return None if dtype == torch.float32 else dtype
@@ -108,10 +108,10 @@ class TrainingSetup:
 
     def kernels(self) -> Callable[[], AbstractContextManager[object]]:
         """A factory of the context the forward and the loss run in: the cuda target's kernel choices and
-        autocast policy (fxmem/target.py), CPU autocast for a cpu target with ``amp``, else nothing."""
+        autocast policy (fxmem/gpu/target.py), CPU autocast for a cpu target with ``amp``, else nothing."""
         amp = self.amp_dtype
         if self.cuda:
-            from fxmem.target import CudaTargetMode
+            from fxmem.gpu.target import CudaTargetMode
 
             capability, release = self.device.compute_capability, self.release
             return lambda: CudaTargetMode(compute_capability=capability, amp=amp, release=release)

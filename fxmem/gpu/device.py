@@ -1,16 +1,16 @@
-"""Stage 8 (cuda target): what the GPU shows for the simulated step, per GPU.
+"""What the GPU shows (cuda target) for the simulated step, per GPU.
 
-The timeline (stage 6) lists every storage the step makes, at its exact size. A GPU shows more:
+The timeline (fxmem/step/timeline.py) lists every storage the step makes, at its exact size. A GPU shows more:
 
 - every block goes through PyTorch's CUDA caching allocator, which rounds it and caches segments
-  (``fxmem/allocator.py``): ``torch.cuda.max_memory_allocated()`` is the replayed peak of blocks,
+  (``fxmem/gpu/allocator.py``): ``torch.cuda.max_memory_allocated()`` is the replayed peak of blocks,
   ``max_memory_reserved()`` that of segments;
-- fixed costs outside the model (``fxmem/overheads.py``): cuBLAS workspaces go through the allocator
+- fixed costs outside the model (``fxmem/gpu/overheads.py``): cuBLAS workspaces go through the allocator
   and are replayed as blocks the step starts with; the CUDA context is only in nvidia-smi's figure;
 - the optimizer's ``step`` counters live on the host unless the optimizer is fused (Note [Where step
   lives] in fxmem/rules/optimizers.py), so the replay leaves out the optimizer's host scalars;
-- the per-GPU share of the state under a precision recipe and a sharding stage (``fxmem/precision.py``,
-  ``fxmem/sharding.py``). See Note [Per-GPU state in the replay].
+- the per-GPU share of the state under a precision recipe and a sharding stage (``fxmem/step/precision.py``,
+  ``fxmem/step/sharding.py``). See Note [Per-GPU state in the replay].
 
 The device total, what nvidia-smi would print for the process, is the reserved peak plus the driver's
 lines; the device verdict and ``max_batch`` use it.
@@ -40,12 +40,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from fxmem.allocator import FREE, replay
-from fxmem.gpus import GpuSpec
-from fxmem.overheads import Overheads, cuda_overheads
-from fxmem.results import Category, DevicePeak, MemoryEvent, Phase, StateBytes, Timeline
+from fxmem.gpu.allocator import FREE, replay
+from fxmem.gpu.gpus import GpuSpec
+from fxmem.gpu.overheads import Overheads, cuda_overheads
+from fxmem.results import Category, DevicePeak, MemoryEvent, PerGpuState, Phase, StateBytes, Timeline
 from fxmem.rules import TorchRelease
-from fxmem.sharding import PerGpuState
 
 __all__ = ["DeviceModel", "device_model", "replay_step"]
 

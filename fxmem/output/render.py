@@ -1,0 +1,563 @@
+"""A Report as text (table, markdown, csv) or as a JSON-ready dict. Never prints.
+
+The per-layer rows always add up to the activation total: every node's bytes land in exactly one row.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tabulate import tabulate
+
+from fxmem.inputs import dtype_name, format_dims
+from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Timeline
+
+if TYPE_CHECKING:
+    from fxmem.report import Report
+from fxmem.cost.tradeoff import flop_exprs, memory_bound, node_costs, node_flop_exprs
+from fxmem.symbolic import ByteExpr
+
+__all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "render_timeline", "to_dict"]
+
+FORMATS = ("table", "markdown", "csv", "json")
+TOP_LEVEL = "(top level)"
+_TOTAL_AND_PEAK = (
+    "Total = model state + saved activations + the input batch. Peak = the highest point of a whole "
+    "training step (forward, loss, backward, optimizer step), temporaries included, "
+)
+NOT_INCLUDED = _TOTAL_AND_PEAK + (
+    "as the CPU allocator sees it; not included: allocator rounding and caching, and memory outside tensors "
+    "(CUDA context, library workspaces)."
+)
+ON_GPU = _TOTAL_AND_PEAK + (
+    "in exact tensor bytes; the GPU lines replay it through the CUDA caching allocator (max_memory_allocated, "
+    "reserved) and add the fixed costs outside tensors; the device verdict uses that nvidia-smi total."
+)
+NO_PEAK = "The step was not simulated (peak=False): the batch that fits is judged on the total, without temporaries."
+
+
+def format_bytes(n: int) -> str:
+    """Binary units, three significant digits: 1536 -> '1.50 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:.0f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_count(n: int) -> str:
+    """Parameter counts as people say them: 950, 12.3K, 25.6M, 6.74B."""
+    for scale, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def format_expr(expr: ByteExpr) -> str:
+    """'1.50 KiB·B + 8 B', with higher powers of B (and terms in S) first when there are any."""
+    if expr.seq_terms:
+        return f"{expr.polynomial()} B"
+    parts = [f"{format_bytes(c)}·B^{k + 2}" for k, c in reversed(list(enumerate(expr.higher))) if c]
+    parts += [f"{format_bytes(expr.per_sample)}·B"] if expr.per_sample else []
+    parts += [format_bytes(expr.fixed)] if expr.fixed or not parts else []
+    return " + ".join(parts)
+
+
+def _group_key(node: NodeRecord, depth: int | None) -> str:
+    fqn = node.fqn or TOP_LEVEL
+    if depth is None or fqn.startswith("("):
+        return fqn
+    return ".".join(fqn.split(".")[:depth]) if depth > 0 else "(model)"
+
+
+def group_layers(report: Report, depth: int | None = None) -> tuple[LayerRow, ...]:
+    """Rows by module path (truncated to ``depth`` components), in graph order, nodes with bytes only."""
+    groups: dict[str, list[NodeRecord]] = defaultdict(list)
+    for node in report.nodes:
+        if not node.saved.is_zero or any(node.exact.values()):
+            groups[_group_key(node, depth)].append(node)
+    return tuple(_layer_row(fqn, nodes) for fqn, nodes in groups.items())
+
+
+def _layer_row(fqn: str, nodes: Sequence[NodeRecord]) -> LayerRow:
+    exact: dict[int, int] = defaultdict(int)
+    for n in nodes:
+        for b, v in n.exact.items():
+            exact[b] += v
+    ops = tuple(dict.fromkeys(n.info.target for n in nodes))
+    return LayerRow(fqn, ops, nodes[-1].info.output_shape, ByteExpr.total(n.saved for n in nodes), dict(exact), tuple(n.name for n in nodes))
+
+
+def _layer_bytes(report: Report, rows: Sequence[LayerRow], batch: int) -> list[int]:
+    per_node = report.node_bytes(batch)
+    return [sum(per_node.get(n, 0) for n in row.nodes) for row in rows]
+
+
+def _rows(report: Report, depth: int | None, top: int | None) -> tuple[list[LayerRow], list[int], int]:
+    rows = list(group_layers(report, depth))
+    at = _layer_bytes(report, rows, report.batch)
+    total = sum(report.node_bytes(report.batch).values())
+    if top is not None:
+        order = sorted(range(len(rows)), key=lambda i: -at[i])[:top]
+        rows, at = [rows[i] for i in order], [at[i] for i in order]
+    return rows, at, total
+
+
+def _share(part: int, total: int) -> str:
+    return f"{100 * part / total:.1f}%" if total else "-"
+
+
+def _table_rows(report: Report, depth: int | None, top: int | None, raw: bool) -> tuple[list[str], list[list[Any]]]:
+    rows, at, total = _rows(report, depth, top)
+    at_label = f"At B={report.batch}" + (f", S={report.seq_len}" if report.seq_len is not None else "")
+    fmt = (lambda n: n) if raw else format_bytes
+    seq = report.seq_len is not None
+    headers = ["Layer", "Op", "Output shape", *(["Bytes (B, S)"] if seq else ["Per sample", "Constant"]), at_label, "Share"]
+    bytes_of = (lambda e: [e.polynomial()]) if seq else (lambda e: [fmt(e.per_sample), fmt(e.fixed)])
+    body = [
+        [r.fqn, "+".join(r.ops)[:40], format_dims(r.output_shape) if r.output_shape else "", *bytes_of(r.saved), fmt(a), _share(a, total)]
+        for r, a in zip(rows, at)
+    ]
+    if top is None:
+        body.append(["Total activations", "", "", *bytes_of(report.activations), fmt(total), _share(total, total)])
+    return headers, body
+
+
+def render(report: Report, fmt: str = "table", *, depth: int | None = None, top: int | None = None) -> str:
+    """The report as text in one of FORMATS."""
+    if fmt == "json":
+        return json.dumps(to_dict(report, depth=depth), indent=2)
+    if fmt == "csv":
+        headers, body = _table_rows(report, depth, top, raw=True)
+        out = io.StringIO()
+        csv.writer(out, lineterminator="\n").writerows([headers, *body])
+        return out.getvalue()
+    headers, body = _table_rows(report, depth, top, raw=False)
+    table = tabulate(body, headers=headers, tablefmt="github" if fmt == "markdown" else "simple", disable_numparse=True)
+    sections = [_title(report), table, _top_sentence(report, depth, top), _summary(report)]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _title(report: Report) -> str:
+    inputs = ", ".join(str(s) for s in report.inputs)
+    how = "one symbolic pass + B=1" if report.accounting.method == "symbolic" else "concrete passes"
+    graph = "torch.fx" if report.frontend == "fx" else "torch.export"
+    if report.checkpointed:
+        graph += f", {report.checkpointed} checkpointed region{'s' if report.checkpointed > 1 else ''}"
+    target = f"\ntarget: {report.setup.describe()}" if report.setup is not None else ""
+    return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how}){target}"
+
+
+def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
+    if top is None:
+        return ""
+    rows, at, total = _rows(report, depth, top)
+    return f"{len(rows)} layers hold {_share(sum(at), total)} of activation memory at B={report.batch}."
+
+
+def _summary(report: Report) -> str:
+    b, s = report.batch, report.state
+    at = f"B={b}" + (f", S={report.seq_len}" if report.seq_len is not None else "")
+    half = max(1, b // 2)
+    lines = [
+        ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at {at}"],
+        ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at {at}"],
+        [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
+        [f"Total at {at}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
+        *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
+        *_peak_lines(report, b, at),
+        ["Floor at B=1", format_bytes(report.step_bytes(1)), f"{_basis(report)} with one sample"],
+        ["State : activations", _ratio(s.total, report.total_bytes(b) - s.total), _reading(s.total, report.total_bytes(b) - s.total)],
+    ]
+    lines += _gpu_lines(report, b, at)
+    if report.device_memory is not None:
+        lines.append(_device_line(report))
+    lines += _compute_lines(report, b, at)
+    gpu = report.steps is not None and report.steps.device is not None
+    notes = [ON_GPU if gpu else NOT_INCLUDED if report.steps is not None else NOT_INCLUDED + " " + NO_PEAK]
+    if report.steps is not None and report.steps.note:
+        notes.append(f"Peak: {report.steps.note}.")
+    if report.accounting.batch_one_error:
+        notes.append(
+            "The model cannot train at B=1, so B=1 figures follow the line: "
+            + " ".join(report.accounting.batch_one_error.split())[:300]
+        )
+    if report.batch_one_special:
+        notes.append(f"B=1 is special: {', '.join(report.batch_one_special[:5])} save different bytes at B=1 than the line predicts; B=1 figures are exact.")
+    if not report.accounting.linear:
+        notes.append(f"Saved bytes are not exactly linear in B ({report.accounting.note}); every figure at a given B is exact.")
+    elif report.accounting.method == "concrete":
+        notes.append(f"The batch could not stay symbolic; a*B + c fitted and verified by {report.accounting.note}.")
+    if report.activations.higher:
+        notes.append(f"Activations grow faster than linearly in B: {report.activations.polynomial()} bytes.")
+    notes += [f"Unsupported: node {u.node} ({u.fqn}): {u.reason}; counted as 0 B." for u in report.accounting.unsupported]
+    caveat = report.batchnorm_caveat()
+    notes += [caveat] if caveat else []
+    text = tabulate(lines, tablefmt="plain", disable_numparse=True) + "\n\n" + "\n".join(notes)
+    return text + _tradeoff_section(report)
+
+
+def format_flops(n: float) -> str:
+    """Decimal units, three significant digits: 1.5e12 -> '1.50 TFLOP'."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def format_rate(r: float) -> str:
+    """Samples per second: whole numbers from 100 up, three significant digits below."""
+    return f"{r:,.0f}" if r >= 100 else f"{r:.3g}"
+
+
+def format_seconds(t: float) -> str:
+    """Three significant digits in s, ms or µs."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t / 1e-6:.3g} µs"
+
+
+def _compute_lines(report: Report, b: int, at: str) -> list[list[str]]:
+    """FLOPs and the roofline bound on step time at the report's batch (needs the simulated step)."""
+    if report.steps is None:
+        return []
+    f, t = report.flops(b), report.step_time(b)
+    names = ", ".join(op.removeprefix("aten.") for op, _ in f.missing[:4]) + (", ..." if len(f.missing) > 4 else "")
+    missing = f"; {len(f.missing)} kinds of op have no FLOP formula and count for bytes only ({names})" if f.missing else ""
+    gpu = report.gpu
+    bound = memory_bound(node_costs(report.timeline(b), b, gpu, report.seq_len), top=3)
+    slow = ", ".join(n.fqn or n.node for n in bound)
+    share = sum(p.seconds for p in t.phases if p.phase == Phase.OPTIMIZER)
+    return [
+        [f"FLOPs at {at}", format_flops(f.total), f"forward {format_flops(f.forward)}, backward {format_flops(f.backward)}, optimizer {format_flops(f.optimizer)} (torch.utils.flop_counter){missing}"],
+        [
+            f"Step time at {at}", f">= {format_seconds(t.seconds)}",
+            f"roofline lower bound on {gpu.label}, not a benchmark: <= {format_rate(t.samples_per_second(b))} samples/s, "
+            f"{t.peak_share:.0%} of {'tf32' if t.tf32 else _dtype_label(t.dtype)} peak; optimizer step {format_seconds(share)}"
+            + (f"; most memory-bound: {slow}" if slow else ""),
+        ],
+    ]  # fmt: skip
+
+
+def _dtype_label(dtype: Any) -> str:
+    return dtype_name(dtype) if dtype is not None else "no"
+
+
+def _tradeoff_section(report: Report) -> str:
+    """Memory and estimated throughput from B=1 to the largest batch that fits, on a GPU target."""
+    if report.steps is None or report.steps.device is None or report.device_memory is None:
+        return ""
+    rows = [
+        [
+            r.batch, format_bytes(r.state), format_bytes(r.activations), format_bytes(r.peak), format_bytes(r.device),
+            format_seconds(r.seconds), format_rate(r.samples_per_second), f"{r.peak_share:.0%}",
+        ]
+        for r in report.tradeoff()
+    ]  # fmt: skip
+    headers = ["B", "State", "Activations", "Peak", "GPU total", "Step time >=", "Samples/s <=", "Of peak FLOP/s"]
+    table = tabulate(rows, headers=headers, disable_numparse=True)
+    return f"\n\nBatch size trade-off on {report.gpu.label} (step time is a roofline lower bound, not a benchmark):\n\n{table}"
+
+
+def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
+    if report.steps is None:
+        return []
+    lines = []
+    for first, label in ((False, "steady step"), (True, "first step")):
+        p = report.peak(b, first_step=first)
+        where = f"in {p.phase} at {p.node}" + (f" ({p.fqn})" if p.fqn and p.fqn != p.node else "")
+        parts = f"state {format_bytes(p.state)}, activations {format_bytes(p.saved)}, temporaries {format_bytes(p.temporaries)}, inputs {format_bytes(p.inputs)}"
+        lines.append([f"Peak at {at} ({label})", format_bytes(p.bytes), f"{where}: {parts}"])
+    return lines
+
+
+def _basis(report: Report) -> str:
+    if report.steps is None:
+        return "total"
+    return "nvidia-smi total" if report.steps.device is not None else "peak"
+
+
+def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
+    """The steady step on the target GPU: allocator counters, then the fixed costs and per-GPU extras."""
+    if report.steps is None or report.steps.device is None:
+        return _per_gpu_lines(report)
+    d = report.peak(b).device
+    assert d is not None
+    lines = [
+        [f"GPU at {at}", format_bytes(d.total), f"nvidia-smi total; max_memory_allocated {format_bytes(d.allocated)}, reserved {format_bytes(d.reserved)}"],
+    ]
+    lines += [[f"+ {name}", format_bytes(n), why] for name, n, why in d.overheads if n]
+    return _per_gpu_lines(report) + lines + _estimate_lines(report.peak(b))
+
+
+def _estimate_lines(p: Peak) -> list[list[str]]:
+    """The workspaces the peak holds that are estimates (cuDNN picks its engine when it runs), with their
+    bounds, and the step's peak were each at its bound: a named line, never a silent figure."""
+    if p.upper is None:
+        return []
+    rise = f"with every such workspace at its bound the step's peak would be {format_bytes(p.upper)}, not {format_bytes(p.bytes)}"
+    if not p.estimated:
+        return [["Estimated workspaces", "", f"cuDNN convolution workspaces are estimates (its engine is cuDNN's choice at run time); {rise}"]]
+    return [
+        [
+            "Estimated at the peak",
+            format_bytes(x.nbytes),
+            f"{x.what} of {x.fqn or x.node} ({x.op.split()[0]}), its engine cuDNN's choice at run time: at most {format_bytes(x.bound)}; {rise}",
+        ]
+        for x in p.estimated
+    ]
+
+
+def _per_gpu_lines(report: Report) -> list[list[str]]:
+    """One GPU's share of the state, where a recipe or sharding makes it differ from one copy of everything."""
+    setup, share = report.setup, report.per_gpu
+    if setup is None or share is None or not setup.distributed:
+        return []
+    head = [f"State per GPU ({setup.world_size} x {setup.shard})", format_bytes(share.total), "of the model state above, on each GPU"]
+    return [head, *([f"· {name}", format_bytes(line.nbytes), line.why] for name, line in share.lines() if line.nbytes)]
+
+
+def _state_parts(report: Report) -> str:
+    s = report.state
+    return (
+        f"{format_count(s.parameters)} params: weights {format_bytes(s.weights)}, buffers {format_bytes(s.buffers)}, "
+        f"gradients {format_bytes(s.gradients)}, "
+        + (f"fp32 master {format_bytes(s.master)}, " if s.master else "")
+        + f"optimizer {format_bytes(s.optimizer)}"
+        + (f" ({s.precision})" if s.precision else "")
+    )
+
+
+def _saving(report: Report, b: int, half: int) -> str:
+    full, small = report.total_bytes(b), report.total_bytes(half)
+    return f"halving the batch saves {_share(full - small, full)} of the total" if half != b else ""
+
+
+def _ratio(state: int, scaled: int) -> str:
+    return f"1 : {scaled / state:.2f}" if state else "no state"
+
+
+def _reading(state: int, scaled: int) -> str:
+    if scaled > state:
+        return "activation-heavy: batch size is the strong lever"
+    return "state-heavy: the batch barely matters; shard or shrink the state (precision, optimizer)"
+
+
+def _device_line(report: Report) -> list[str]:
+    assert report.device_memory is not None
+    v = report.verdict(report.device_memory)
+    label = f"Device {format_bytes(v.budget)}"
+    if v.max_batch is None and not v.unbounded:
+        return [label, "does not fit", f"one sample needs {format_bytes(v.floor)}: no batch size fits; shrink the per-sample shape or the state"]
+    if v.unbounded:
+        return [label, "fits at any batch", "memory does not grow with B"]
+    fits = v.max_batch
+    assert fits is not None
+    return [label, f"largest batch {fits}", f"{v.basis} {format_bytes(report.step_bytes(fits))} at B={fits}"]
+
+
+def _saved_tensor_dict(t: Any, batch: int) -> dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": t.dtype, "bytes": {"per_sample": t.nbytes.per_sample, "constant": t.nbytes.fixed}, "saved_by": list(t.saved_by)}
+
+
+def _expr_dict(e: ByteExpr) -> dict[str, Any]:
+    out: dict[str, Any] = {"per_sample": e.per_sample, "constant": e.fixed}
+    if e.higher or e.seq_terms:
+        out["polynomial"] = e.polynomial()
+    return out
+
+
+def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
+    """The JSON view: bytes are integers; per_sample and constant are the exact a and c."""
+    b, s = report.batch, report.state
+    symbolic = report.steps.symbolic_timeline() if report.steps is not None else None
+    flops = node_flop_exprs(symbolic) if symbolic is not None else {}
+    out: dict[str, Any] = {
+        "model": report.model,
+        "loss": report.loss,
+        "method": report.accounting.method,
+        "frontend": report.frontend,
+        "checkpointed_regions": report.checkpointed,
+        "linear_in_batch": report.accounting.linear,
+        "inputs": [
+            {"name": i.name, "shape": list(i.dims), "dtype": dtype_name(i.dtype), "bytes": _expr_dict(_input_expr(i))} for i in report.inputs
+        ],
+        "input_bytes": _expr_dict(report.accounting.inputs),
+        "model_state": {
+            "parameters": s.parameters, "trainable_parameters": s.trainable, "weights": s.weights,
+            "weights_by_dtype": dict(s.weights_by_dtype), "buffers": s.buffers, "gradients": s.gradients,
+            "optimizer": s.optimizer, "optimizer_name": s.optimizer_name, "total": s.total,
+        },
+        "activations": _expr_dict(report.activations),
+        "nodes": [_node_dict(n, flops.get(n.name)) for n in report.nodes],
+        "layers": [
+            {"layer": r.fqn, "ops": list(r.ops), "nodes": list(r.nodes), "saved": _expr_dict(r.saved), "bytes_at_batch": a}
+            for r, a in zip(group_layers(report, depth), _layer_bytes(report, group_layers(report, depth), b))
+        ],
+        "batch_one_special": list(report.batch_one_special),
+        "batch_one_error": report.accounting.batch_one_error or None,
+        "seq_len": report.seq_len,
+        "at_batch": {"batch": b, "activations": report.activation_bytes(b), "inputs": report.input_bytes(b), "total": report.total_bytes(b)},
+        "floor": report.total_bytes(1),
+        "device_memory": report.device_memory,
+        "max_batch": report.max_batch(report.device_memory) if report.device_memory is not None else None,
+        "max_batch_basis": _basis(report),
+        "target": _setup_dict(report),
+        "per_gpu_state": {name: line.nbytes for name, line in report.per_gpu.lines()} if report.per_gpu is not None else None,
+        "peak": _peak_dict(report) if report.steps is not None else None,
+        **(_compute_dict(report) if report.steps is not None else {"flops": None, "roofline": None, "tradeoff": None}),
+        "batchnorm": {"layers": list(report.bn_layers), "threshold": report.bn_threshold, "caveat": report.batchnorm_caveat() or None},
+        "unsupported": [{"node": u.node, "layer": u.fqn, "reason": u.reason} for u in report.accounting.unsupported],
+    }
+    return out
+
+
+def _peak_dict(report: Report) -> dict[str, Any]:
+    """``first_step`` and ``steady_step``: the peak at the report's batch and its envelope's pieces."""
+    out: dict[str, Any] = {}
+    for first, key in ((True, "first_step"), (False, "steady_step")):
+        p = report.peak(report.batch, first_step=first)
+        out[key] = {
+            "batch": p.batch, "bytes": p.bytes, "phase": p.phase.value, "node": p.node, "layer": p.fqn, "op": p.op,
+            "breakdown": {c.value: n for c, n in p.breakdown.items()},
+            "split": {"state": p.state, "activations": p.saved, "temporaries": p.temporaries, "inputs": p.inputs},
+            "device": _device_dict(p.device),
+            "estimated": [{"what": x.what, "node": x.node, "layer": x.fqn, "op": x.op, "bytes": x.nbytes, "at_most": x.bound} for x in p.estimated],
+            "with_estimates_at_their_bounds": p.upper,
+            "envelope": [
+                {"from_batch": e.first_batch, "to_batch": e.last_batch, "per_sample": e.per_sample, "constant": e.fixed, "phase": e.phase.value, "node": e.node}
+                for e in report.envelope(first_step=first)
+            ],
+        }  # fmt: skip
+    return out
+
+
+def _compute_dict(report: Report) -> dict[str, Any]:
+    """``flops`` (per phase, {per_sample, constant} and the figure at the report's batch), ``roofline``
+    (the lower bound at the report's batch) and ``tradeoff`` (one row per batch size)."""
+    b = report.batch
+    symbolic = report.steps.symbolic_timeline()
+    exprs = flop_exprs(symbolic) if symbolic is not None else None
+    f, t = report.flops(b), report.step_time(b)
+    flops: dict[str, Any] = {}
+    for phase, at_b in (("forward", f.forward), ("backward", f.backward), ("optimizer", f.optimizer)):
+        flops[phase] = {**(_expr_dict(exprs[phase]) if exprs is not None else {}), "at_batch": at_b}
+    flops["without_formula"] = dict(f.missing)
+    nodes = node_costs(report.timeline(b), b, report.gpu, report.seq_len)
+    roofline = {
+        "gpu": report.gpu.name, "batch": b, "seconds": t.seconds, "samples_per_second": t.samples_per_second(b),
+        "peak_share": t.peak_share, "dtype": _dtype_label(t.dtype), "is_lower_bound": True,
+        "phases": {p.phase.value: {"seconds": p.seconds, "flops": p.flops, "bytes": p.moved_bytes} for p in t.phases},
+        "memory_bound_nodes": [n.node for n in memory_bound(nodes)],
+        "nodes": [
+            {"node": n.node, "layer": n.fqn, "flops": n.flops, "bytes_moved": n.moved_bytes, "intensity": n.intensity if n.moved_bytes else None, "seconds": n.seconds, "bound": n.bound.value}
+            for n in nodes
+        ],
+    }  # fmt: skip
+    tradeoff = [r.__dict__ for r in report.tradeoff()] if report.device_memory is not None else None
+    return {"flops": flops, "roofline": roofline, "tradeoff": tradeoff}
+
+
+def _setup_dict(report: Report) -> dict[str, Any] | None:
+    t = report.setup
+    if t is None:
+        return None
+    return {
+        "target": t.target, "gpu": t.gpu if t.cuda else None, "amp": t.amp, "precision": t.recipe,
+        "world_size": t.world_size, "shard": t.shard, "optimizer_impl": t.optimizer_impl, "torch_version": t.torch_version,
+    }  # fmt: skip
+
+
+def _device_dict(d: DevicePeak | None) -> dict[str, Any] | None:
+    if d is None:
+        return None
+    return {
+        "gpu": d.gpu, "max_memory_allocated": d.allocated, "max_memory_reserved": d.reserved, "nvidia_smi_total": d.total,
+        "capacity": d.capacity, "overheads": {name: n for name, n, _ in d.overheads}, "per_gpu_extra": {name: n for name, n, _ in d.extra},
+    }  # fmt: skip
+
+
+def _input_expr(spec: Any) -> ByteExpr:
+    import torch
+
+    per = torch.empty((), dtype=spec.dtype).element_size()
+    for d in spec.dims:
+        per *= 1 if d == "B" else int(d)
+    return ByteExpr(per_sample=per)
+
+
+def _node_dict(n: NodeRecord, flops: dict[str, ByteExpr] | None = None) -> dict[str, Any]:
+    """One fx node: its saved bytes, and (where the step was simulated with a symbolic batch) its FLOPs
+    forward and backward, each {per_sample, constant}."""
+    return {
+        "name": n.name,
+        "op": n.info.op,
+        "target": n.info.target,
+        "layer": n.fqn,
+        "output_shape": list(n.info.output_shape) if n.info.output_shape is not None else None,
+        "saved": _expr_dict(n.saved),
+        "saved_at_1": n.exact.get(1),
+        "saved_tensors": [_saved_tensor_dict(t, 1) for t in n.tensors],
+        "flops": {side: _expr_dict(e) for side, e in flops.items()} if flops is not None else None,
+    }
+
+
+def render_timeline(timeline: Timeline, peak: Peak, batch: int, seq: int | None, model: str, *, top: int = 8) -> str:
+    """The step phase by phase (memory at its start, its highest point and where, at its end), then
+    what is alive at the step's peak: by category, and the largest storages made during the step."""
+    at = lambda e: e.at(batch, seq)
+    live = sum(at(e) for e in timeline.baseline.values())
+    rows: list[list[str]] = []
+    current: list[Any] = []
+    for e in timeline.events:
+        if not current or current[0] != e.phase:
+            if current:
+                rows.append(_phase_row(current, live))
+            current = [e.phase, live, live, ""]
+        live += at(e.nbytes) if e.alloc else -at(e.nbytes)
+        if live > current[2]:
+            current[2], current[3] = live, f"{e.node} ({e.op})"
+    if current:
+        rows.append(_phase_row(current, live))
+    kind = "first step: the optimizer state is made in step()" if timeline.first_step else "steady step: the optimizer state exists from the start"
+    head = f"fxmem timeline: {model} at B={batch}" + (f", S={seq}" if seq is not None else "") + f" ({kind})"
+    table = tabulate(rows, headers=["Phase", "At start", "Highest", "Where (node, op)", "At end"], disable_numparse=True)
+    split = ", ".join(f"{c.value} {format_bytes(n)}" for c, n in peak.breakdown.items())
+    lines = [head, table, f"Peak {format_bytes(peak.bytes)} ({peak.bytes} B) in {peak.phase} at {peak.node} ({peak.op}). Alive there: {split}."]
+    if peak.device is not None:
+        d = peak.device
+        lines.append(
+            f"On the GPU ({d.gpu}), with the caching allocator and the fixed costs: max_memory_allocated {format_bytes(d.allocated)}, "
+            f"reserved {format_bytes(d.reserved)}, nvidia-smi {format_bytes(d.total)}."
+        )
+    alive = _alive_at_peak(timeline, peak, batch, seq)
+    if alive:
+        body = [[e.category.value, e.node, e.op, format_bytes(n)] for e, n in alive[:top]]
+        lines.append(f"Largest storages made during the step and alive at the peak (of {len(alive)}):\n"
+                     + tabulate(body, headers=["Category", "Made by", "Op", "Bytes"], disable_numparse=True))  # fmt: skip
+    return "\n\n".join(lines) + "\n"
+
+
+def _phase_row(current: list[Any], end: int) -> list[str]:
+    phase, start, high, where = current
+    return [phase.value, format_bytes(start), format_bytes(high), where, format_bytes(end)]
+
+
+def _alive_at_peak(timeline: Timeline, peak: Peak, batch: int, seq: int | None) -> list[tuple[Any, int]]:
+    """Storages allocated during the step and still alive right after the peak's allocation, largest first."""
+    live: dict[int, Any] = {}
+    for e in timeline.events[: peak.event + 1]:
+        if e.alloc:
+            live[e.storage] = e
+        else:
+            live.pop(e.storage, None)
+    return sorted(((e, e.nbytes.at(batch, seq)) for e in live.values()), key=lambda x: -x[1])
