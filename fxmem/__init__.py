@@ -13,6 +13,7 @@ from fxmem.errors import (
     CaptureError,
     DuplicateRuleError,
     FxmemError,
+    FxmemWarning,
     InputSpecError,
     LoadError,
     NonLinearBatchError,
@@ -21,7 +22,7 @@ from fxmem.errors import (
 )
 from fxmem.frontends.load import load_model
 from fxmem.gpu.gpus import GPUS, GpuSpec
-from fxmem.inputs import InputSpec, parse_inputs, parse_size
+from fxmem.inputs import Constant, InputSpec, parse_inputs, parse_size
 from fxmem.measure import Measurement, PeakMeasurement, measure, measure_peak
 from fxmem.report import Report
 from fxmem.results import (
@@ -52,11 +53,13 @@ __all__ = [
     "ByteExpr",
     "CaptureError",
     "Category",
+    "Constant",
     "DevicePeak",
     "DuplicateRuleError",
     "EnvelopePiece",
     "FlopCount",
     "FxmemError",
+    "FxmemWarning",
     "GpuSpec",
     "InputSpec",
     "InputSpecError",

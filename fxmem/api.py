@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
@@ -12,11 +13,11 @@ from fxmem.cost.tradeoff import BN_THRESHOLD, batchnorm_layers
 from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
 from fxmem.engine.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
 from fxmem.engine.losses import Loss, get_loss
-from fxmem.errors import CaptureError, InputSpecError
+from fxmem.errors import CaptureError, FxmemWarning, InputSpecError
 from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.tracing import trace_model
 from fxmem.gpu.device import DeviceModel, device_model
-from fxmem.inputs import InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
+from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import op_rules_for, workspace_rules_for
@@ -89,6 +90,7 @@ def analyze(
     check_batch(batch)
     bn_threshold = _check_threshold(bn_threshold)
     _check_model_args(model, leaf_types)
+    _warn_unused(setup, specs, seq_len)
     seq = _seq_len(specs, seq_len)
     say = progress or _silent
     model.train()
@@ -131,7 +133,12 @@ def _state(
         state,
         per_gpu,
         device_model(
-            setup.device, setup.overheads, fused=fused, simulated=count(None, setup.state_dtype or param_dtype), per_gpu=per_gpu, release=setup.release
+            setup.device,
+            setup.overheads,
+            fused=fused,
+            simulated=count(None, setup.state_dtype or param_dtype),
+            per_gpu=per_gpu,
+            release=setup.release,
         ),
     )
 
@@ -261,6 +268,18 @@ def _pass(
     return run
 
 
+def _warn_unused(setup: TrainingSetup, specs: tuple[InputSpec, ...], seq_len: int | None) -> None:
+    """One FxmemWarning for each option given that changes nothing here (shown once by the CLI)."""
+    unused = list(setup.unused())
+    if seq_len is not None and not has_seq(specs):
+        unused.append(
+            f"--seq-len {seq_len} has no effect: no input has a symbolic sequence axis S "
+            f"({', '.join(map(str, specs))}); write S in the shape, e.g. B,S:int64, or drop --seq-len."
+        )
+    for message in unused:
+        warnings.warn(message, FxmemWarning, stacklevel=3)
+
+
 def _seq_len(specs: tuple[InputSpec, ...], seq_len: int | None) -> int | None:
     """The length S is evaluated at, where an input has a symbolic sequence axis; None otherwise."""
     if not has_seq(specs):
@@ -290,7 +309,7 @@ def _in_dtype(specs: tuple[InputSpec, ...], dtype: torch.dtype | None) -> tuple[
     """Float32 inputs in a recipe's low-precision dtype, as a bf16 model is fed (``x.to(dtype)``)."""
     if dtype is None:
         return specs
-    return tuple(replace(s, dtype=dtype) if s.dtype == torch.float32 else s for s in specs)
+    return tuple(replace(s, dtype=dtype) if s.dtype == torch.float32 and not isinstance(s, Constant) else s for s in specs)
 
 
 def _check_threshold(threshold: object) -> int:

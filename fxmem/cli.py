@@ -9,9 +9,12 @@ Stages that run long show progress on stderr; see ``_Progress``.
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
@@ -21,11 +24,11 @@ from tabulate import tabulate
 from fxmem.api import analyze
 from fxmem.cost.tradeoff import BN_THRESHOLD
 from fxmem.engine.losses import LOSSES
-from fxmem.errors import FxmemError, InputSpecError
+from fxmem.errors import FxmemError, FxmemWarning, InputSpecError
 from fxmem.frontends.load import load_leaf_types, load_model
 from fxmem.frontends.tracing import FRONTENDS
 from fxmem.gpu.gpus import GPUS
-from fxmem.inputs import parse_dtype, parse_inputs, parse_size
+from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse_inputs, parse_size
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
 from fxmem.output.render import FORMATS, format_bytes, render, render_timeline
 from fxmem.report import Report
@@ -89,6 +92,7 @@ _depth = _whole_number(0, "is negative; 0 groups everything into one row, 1 by t
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help=f"the model: {_SPEC_HELP}")
     p.add_argument("--input", action="append", metavar="SHAPE", help="an input shape with B on the batch axis, e.g. B,3,224,224 or input_ids=B,1024:int64; repeat for several inputs (default: the model's own)")
+    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a forward() keyword argument that is not a tensor, passed through unchanged: a JSON or Python literal (true, 0.5, null, [1, 2]), else a string, e.g. --arg return_loss=true; repeat for several")
     p.add_argument("--loss", choices=list(LOSSES), help="the loss of the step (default: the model's own, else sum)")
     p.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
     p.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
@@ -103,7 +107,7 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--target", choices=TARGETS, default=target, help=f"the device the step runs on (default {target}): cuda predicts what the GPU keeps (its kernels, caching allocator and fixed costs); cpu is what 'fxmem measure' checks exactly")
     g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU})")
     g.add_argument("--amp", choices=list(AMP_DTYPES), help="run the forward and the loss under autocast in this dtype, with the target's cast policy")
-    g.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32)")
+    g.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(k for k, r in RECIPES.items() if r.weight_dtype == torch.bfloat16)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights")
     g.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
     g.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
@@ -134,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_options(a)
     a.add_argument("--batch", type=_positive_int, default=32, help="the batch size to evaluate at (default 32)")
     a.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
-    a.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16)")
+    a.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
     a.add_argument("--device-memory", metavar="SIZE", help="device memory, e.g. 80GiB or 24GB: report the largest batch that fits")
     a.add_argument("--depth", type=_depth, help="group layers by module path truncated to this many components")
     a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
@@ -220,7 +224,41 @@ def _config_overrides(items: Sequence[str]) -> dict[str, str]:
     return {key: value for key, _eq, value in pairs}
 
 
-def _inputs(args: argparse.Namespace, spec: ModelSpec) -> Sequence[str] | Mapping[str, str]:
+def _inputs(args: argparse.Namespace, spec: ModelSpec) -> Any:
+    """The --input shapes (else the model's own) and the --arg values after them, validated here."""
+    shapes = _shapes(args, spec)
+    constants = [Constant.of(*_arg(text)) for text in getattr(args, "arg", [])]
+    if not constants:
+        return shapes
+    if isinstance(shapes, Mapping):
+        return {**shapes, **{c.name: c for c in constants}}
+    return [*shapes, *constants]
+
+
+def _arg(text: str) -> tuple[str, object]:
+    """``--arg NAME=VALUE``: VALUE read as JSON, else as a Python literal, else kept as a string."""
+    name, eq, raw = text.partition("=")
+    if not eq or not name.strip().isidentifier():
+        raise InputSpecError(f"--arg '{text}': write NAME=VALUE with NAME a forward() parameter, e.g. --arg return_loss=true.")
+    for read in (json.loads, ast.literal_eval):
+        try:
+            return name.strip(), read(raw)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    if looks_like_shape(raw):
+        raise InputSpecError(f"--arg '{text}': '{raw}' is a shape; tensors are given with --input {name.strip()}={raw}.")
+    return name.strip(), raw
+
+
+def _analysis_seq_len(args: argparse.Namespace, spec: ModelSpec) -> int | None:
+    """--seq-len for analyze(): None where an hf: spec's default inputs took it as their length (no
+    S axis is left for analyze() to evaluate, and nothing to warn about)."""
+    if args.seq_len is not None and args.spec.startswith("hf:") and not args.input and not has_seq(parse_inputs(spec.inputs)):
+        return None
+    return args.seq_len
+
+
+def _shapes(args: argparse.Namespace, spec: ModelSpec) -> Sequence[str] | Mapping[str, str]:
     """The --input shapes, else the model's own, validated here so that a bad default names the model."""
     if args.input:
         parse_inputs(args.input)
@@ -250,7 +288,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
-        seq_len=args.seq_len, strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold, **_setup(args),
+        seq_len=_analysis_seq_len(args, spec), strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold, **_setup(args),
     )  # fmt: skip
     text = render(report, args.format, depth=args.depth, top=args.top)
     if args.plot:
@@ -271,7 +309,7 @@ def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     leaves = load_leaf_types(args.leaf, spec.model)
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec, leaf_types=leaves,
-        frontend=args.frontend, seq_len=args.seq_len, progress=say, peak=False, target="cpu",
+        frontend=args.frontend, seq_len=_analysis_seq_len(args, spec), progress=say, peak=False, target="cpu",
     )  # fmt: skip
     say(f"running the model for real on the CPU at B={args.batch}")
     measured = measure(
@@ -299,7 +337,7 @@ def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer
     spec = _load(args, say)
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, batch=args.batch, name=args.spec,
-        leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend, seq_len=args.seq_len, progress=say,
+        leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend, seq_len=_analysis_seq_len(args, spec), progress=say,
         **_setup(args),
     )  # fmt: skip
     return spec, report
@@ -392,9 +430,20 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]]
 def _run(args: argparse.Namespace) -> str:
     progress = _Progress(sys.stderr)
     try:
-        return _COMMANDS[args.command](args, progress)
+        with warnings.catch_warnings():
+            warnings.simplefilter("once", FxmemWarning)  # one note per message, however many analyses run
+            warnings.showwarning = _note
+            return _COMMANDS[args.command](args, progress)
     finally:
         progress.close()
+
+
+def _note(message: Warning | str, category: type[Warning], *_args: object, **_kwargs: object) -> None:
+    """An FxmemWarning as one line on stderr (``fxmem: note: ...``); any other warning as Python shows it."""
+    if issubclass(category, FxmemWarning):
+        print(f"fxmem: note: {' '.join(str(message).split())}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, *_args, **_kwargs))  # type: ignore[arg-type]
 
 
 def _error(message: str) -> int:

@@ -19,11 +19,17 @@ __all__ = [
     "CaptureError",
     "DuplicateRuleError",
     "FxmemError",
+    "FxmemWarning",
     "InputSpecError",
     "LoadError",
     "NonLinearBatchError",
     "TraceError",
 ]
+
+
+class FxmemWarning(UserWarning):
+    """An option given that changes nothing in this analysis (``--seq-len`` without an S axis, a
+    sharding stage on one GPU): the report is right, but the user likely meant something else."""
 
 
 class FxmemError(Exception):

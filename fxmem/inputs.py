@@ -9,13 +9,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from fxmem.errors import InputSpecError
 
-__all__ = ["BATCH", "SEQ", "InputSpec", "InputSpecs", "check_batch", "format_dims", "has_seq", "make_tensor", "parse_inputs", "parse_size"]
+__all__ = [
+    "BATCH",
+    "SEQ",
+    "Constant",
+    "InputSpec",
+    "InputSpecs",
+    "check_batch",
+    "format_dims",
+    "has_seq",
+    "looks_like_shape",
+    "make_input",
+    "make_tensor",
+    "parse_inputs",
+    "parse_size",
+    "tensors_of",
+]
 
 SEQ = "S"
 """The symbol of a sequence axis whose length stays symbolic (attention then brings B*S^2 terms)."""
@@ -57,6 +73,28 @@ class InputSpec:
         return f"{prefix}{format_dims(self.dims)}:{dtype_name(self.dtype)}"
 
 
+@dataclass(frozen=True)
+class Constant(InputSpec):
+    """A forward() argument that is not a tensor with a batch axis (``return_loss=True``, ``None``, a
+    float, a list of ints): passed through to the model unchanged in every pass, never counted as input
+    bytes. A subclass of InputSpec so that it keeps its place among the inputs (positional or keyword)
+    everywhere specs travel; its ``dims`` are empty and never read.
+
+    >>> Constant.of("return_loss", True)
+    Constant(name='return_loss', dims=(), dtype=torch.float32, value=True)
+    """
+
+    value: object = None
+
+    @classmethod
+    def of(cls, name: str | None, value: object) -> Constant:
+        return cls(name, (), torch.float32, value)
+
+    def __str__(self) -> str:
+        prefix = f"{self.name}=" if self.name else ""
+        return f"{prefix}{self.value!r}"
+
+
 InputSpecs = Sequence["str | tuple[int | str, ...] | InputSpec"] | Mapping[str, "str | tuple[int | str, ...] | InputSpec"]
 
 
@@ -78,8 +116,7 @@ def parse_inputs(inputs: object) -> tuple[InputSpec, ...]:
         specs = tuple(_parse_one(v, name=None) for v in inputs)
     else:
         raise InputSpecError(
-            f"inputs must be a list (positional) or a dict (keyword) of shape specs such as 'B,3,224,224', "
-            f"got {type(inputs).__name__}."
+            f"inputs must be a list (positional) or a dict (keyword) of shape specs such as 'B,3,224,224', got {type(inputs).__name__}."
         )
     if not specs:
         raise InputSpecError("no inputs given: pass at least one shape spec such as 'B,3,224,224'.")
@@ -107,14 +144,44 @@ def _check_order(specs: tuple[InputSpec, ...]) -> None:
 
 
 def _parse_one(value: object, *, name: str | None) -> InputSpec:
+    """A shape spec (a string, or a tuple of dims) becomes an InputSpec; anything else is passed through
+    as a Constant, except a structure that holds shape specs (see ``_nested_shapes``)."""
     if isinstance(value, InputSpec):
-        return value if name is None else InputSpec(name, value.dims, value.dtype)
+        return value if name is None else replace(value, name=name)
     if isinstance(value, str):
         return _parse_string(value, name=name)
-    if isinstance(value, (tuple, list)) and _is_dims(tuple(value)):
+    if isinstance(value, (tuple, list)) and value and _is_dims(tuple(value)) and any(isinstance(d, str) for d in value):
         return InputSpec(name, _check_dims(tuple(value), str(value)), torch.float32)
-    label = f"input '{name}'" if name else "input"
-    raise InputSpecError(f"{label} {value!r}: expected a shape such as 'B,3,224,224' or ('B', 3, 224, 224).")
+    _refuse_nested_shapes(value, name)
+    return Constant.of(name, value)
+
+
+def _refuse_nested_shapes(value: object, name: str | None) -> None:
+    """A list or dict whose leaves are shape specs (a detection model's per-sample targets) would need
+    tensors made per sample with B inside a Python structure, which the symbolic pass cannot size."""
+    found = [leaf for leaf in _leaves(value) if isinstance(leaf, str) and looks_like_shape(leaf)]
+    if found:
+        label = f"input '{name}'" if name else "a positional input"
+        raise InputSpecError(
+            f"{label} is a nested structure holding shape specs ({', '.join(map(repr, found[:3]))}); fxmem makes "
+            "tensors only for top-level inputs, whose batch axis B it keeps symbolic. Pass each tensor as its own "
+            "input (e.g. {'boxes': 'B,4', 'labels': 'B:int64'}) and wrap the model in an nn.Module whose forward() "
+            "builds the structure from them, or pass the structure built from real tensors as a constant "
+            "(fxmem.Constant) at one batch size."
+        )
+
+
+def _leaves(value: object) -> list[object]:
+    if isinstance(value, Mapping):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def looks_like_shape(text: str) -> bool:
+    """A string written like a shape spec with the batch axis: 'B,4', 'labels=B:int64'."""
+    return re.fullmatch(r"\s*(\w+=)?[\w\s]+(,[\w\s]+)*(:\w+)?\s*", text) is not None and BATCH in re.split(r"[,:=\s]", text)
 
 
 def _parse_string(text: str, *, name: str | None) -> InputSpec:
@@ -169,9 +236,19 @@ def check_batch(batch: object) -> None:
         raise InputSpecError(f"batch must be a positive integer, got {batch!r}.")
 
 
+def tensors_of(specs: Sequence[InputSpec], values: Sequence[object]) -> list[torch.Tensor]:
+    """The tensors among ``values`` (made by ``make_input`` for ``specs``): the constants left out."""
+    return [v for s, v in zip(specs, values) if not isinstance(s, Constant) and isinstance(v, torch.Tensor)]
+
+
 def has_seq(specs: Sequence[InputSpec]) -> bool:
     """True when some input has a symbolic sequence axis S."""
     return any(SEQ in s.dims for s in specs)
+
+
+def make_input(spec: InputSpec, batch: int | torch.SymInt, seq: int | torch.SymInt | None = None) -> Any:
+    """The value forward() receives for ``spec``: a Constant's own value, else ``make_tensor``'s tensor."""
+    return spec.value if isinstance(spec, Constant) else make_tensor(spec, batch, seq)
 
 
 def make_tensor(spec: InputSpec, batch: int | torch.SymInt, seq: int | torch.SymInt | None = None) -> torch.Tensor:

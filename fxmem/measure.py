@@ -43,7 +43,7 @@ from fxmem.engine.capture import record_real
 from fxmem.engine.losses import Loss, get_loss
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.tracing import trace_model
-from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_tensor, parse_inputs
+from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.results import Phase
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.step.state import get_optimizer
@@ -152,10 +152,10 @@ def _retie(model: nn.Module, slots: dict[int, list[tuple[nn.Module, str]]]) -> N
 
 def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int, seq: int | None = None) -> int:
     """Saved activation bytes of ``model(...)`` plus the loss, without fx: the independent total."""
-    tensors = [make_tensor(s, batch, seq) for s in specs]
+    tensors = [make_input(s, batch, seq) for s in specs]
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
-    excluded = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(), *tensors]}
+    excluded = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(), *tensors_of(specs, tensors)]}
     seen: dict[StorageWeakRef, int] = {}
     alive: list[torch.Tensor] = []
 
@@ -226,7 +226,7 @@ def measure_peak(
     autocast = _autocast(torch.device(device).type, amp)
     torch.manual_seed(seed)
     real = materialize(model).train().to(device)
-    tensors = [make_tensor(s, batch, seq_len).to(device) for s in specs]
+    tensors = [_to(make_input(s, batch, seq_len), device) for s in specs]
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     name = type(model).__name__
@@ -241,8 +241,10 @@ def measure_peak(
         opt = _optimizer(real, rule, optimizer_impl)
         if not first_step:  # one real step beforehand: state for exactly the parameters that get gradients
             _real_step(real, args, kwargs, loss_fn, target, opt, name, lambda _: contextlib.nullcontext(), autocast)
-    held = [*real.parameters(), *real.buffers(), *tensors, *([target] if target is not None else [])]
-    held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and t.device == tensors[0].device]
+    device_ = torch.device(device)
+    on_device = lambda t: t.device.type == device_.type
+    held = [*real.parameters(), *real.buffers(), *tensors_of(specs, tensors), *([target] if target is not None else [])]
+    held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and on_device(t)]
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
     if torch.device(device).type == "cuda":
         with _real_run(model, batch, "CUDA"):
@@ -254,6 +256,11 @@ def measure_peak(
         _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
     top, at, phase = _highest(prof)
     return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at))
+
+
+def _to(value: Any, device: str | torch.device) -> Any:
+    """An input on the run's device: a tensor moved, a pass-through constant as it is."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 Around = Callable[[Phase], AbstractContextManager[object]]
@@ -316,8 +323,8 @@ def _profiled() -> torch.profiler.profile:
 
 def _real_step(
     model: nn.Module,
-    args: list[torch.Tensor],
-    kwargs: dict[str, torch.Tensor],
+    args: list[Any],
+    kwargs: dict[str, Any],
     loss: Loss,
     target: torch.Tensor | None,
     opt: torch.optim.Optimizer,

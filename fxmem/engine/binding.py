@@ -10,9 +10,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from fxmem.errors import InputSpecError
-from fxmem.inputs import InputSpec
+from fxmem.inputs import Constant, InputSpec
 from fxmem.results import Kind
 
 __all__ = ["bind_inputs", "fake_like", "state_kinds", "swapped_state"]
@@ -21,10 +22,10 @@ __all__ = ["bind_inputs", "fake_like", "state_kinds", "swapped_state"]
 def bind_inputs(gm: fx.GraphModule, specs: Sequence[InputSpec], tensors: Sequence[torch.Tensor], model: str) -> list[Any]:
     """Line up input tensors with the graph's placeholders: positional first, then by keyword name."""
     positional = [t for s, t in zip(specs, tensors) if s.name is None]
-    keyword = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     values: list[Any] = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [str(p.target).lstrip("*") for p in placeholders]
+    keyword = _keywords(specs, tensors, names)
     unknown = sorted(set(keyword) - set(names))
     if unknown or len(positional) > len(placeholders):
         raise InputSpecError(
@@ -45,6 +46,22 @@ def bind_inputs(gm: fx.GraphModule, specs: Sequence[InputSpec], tensors: Sequenc
                 f"--input for it (e.g. --input {name}=B,...)."
             )
     return values
+
+
+def _keywords(specs: Sequence[InputSpec], values: Sequence[Any], names: Sequence[str]) -> dict[str, Any]:
+    """{placeholder name: value} for the keyword inputs. torch.export flattens a structured constant
+    (``note=[1, 2]``) into one placeholder a leaf, ``note_0`` and ``note_1``, in the leaves' order."""
+    found: dict[str, Any] = {}
+    for spec, value in zip(specs, values):
+        if spec.name is None:
+            continue
+        parts = [n for n in names if n.startswith(f"{spec.name}_")] if isinstance(spec, Constant) and spec.name not in names else []
+        leaves = tree_leaves(value)
+        if parts and len(parts) == len(leaves):
+            found.update(zip(parts, leaves))
+        else:
+            found[spec.name] = value
+    return found
 
 
 @contextlib.contextmanager

@@ -34,12 +34,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from fxmem.engine.binding import bind_inputs, fake_like, state_kinds, swapped_state
-from fxmem.engine.dispatch import OpRule, OpRuleMode
+from fxmem.engine.dispatch import DtypeMismatch, OpRule, OpRuleMode
 from fxmem.engine.losses import Loss
 from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
-from fxmem.inputs import InputSpec, dtype_name, has_seq, make_tensor
+from fxmem.inputs import InputSpec, dtype_name, has_seq, make_input, tensors_of
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
 from fxmem.symbolic import ByteExpr, DataDependentBytes, label_dim, to_byte_expr
 
@@ -49,6 +49,7 @@ __all__ = [
     "OpRule",
     "SymbolicUnsupported",
     "capture_saved",
+    "dtype_error",
     "fake_batch",
     "node_error",
     "node_fqn",
@@ -62,6 +63,7 @@ _SEQ_HINT = 24
 """The same for S; unlike B's, so that no comparison of B with S is decided by equal hints."""
 
 LOSS_NODE = "loss"
+
 
 class SymbolicUnsupported(Exception):
     """The symbolic pass could not run (a kernel needs concrete sizes); retry with concrete batches.
@@ -156,8 +158,7 @@ class _Book:
 
     def saved_tensors(self) -> tuple[SavedTensor, ...]:
         return tuple(
-            SavedTensor(i, e.node, tuple(e.saved_by), e.shape, e.dtype, self._bytes(e), e.kind)
-            for i, e in enumerate(self.saved.values())
+            SavedTensor(i, e.node, tuple(e.saved_by), e.shape, e.dtype, self._bytes(e), e.kind) for i, e in enumerate(self.saved.values())
         )
 
     def _bytes(self, entry: _Entry) -> ByteExpr:
@@ -250,6 +251,9 @@ def node_error(n: fx.Node, env: Mapping[fx.Node, Any], symbols: tuple[Any, Any],
     is raised as SymbolicUnsupported carrying that CaptureError: if the concrete passes fail at the
     same node, the caller raises it, with shapes that show which axis is the batch.
     """
+    mismatch = e if isinstance(e, DtypeMismatch) else DtypeMismatch.from_torch(e)
+    if mismatch is not None:  # the dtypes' fault, not the symbolic sizes': the same at every B
+        return dtype_error(n, model, mismatch)
     label = lambda d: label_dim(d, *symbols)
     args = [env[a] for a in n.all_input_nodes if a in env]
     shapes = ["(" + ", ".join(str(label(d)) for d in a.shape) + ")" for a in args if isinstance(a, torch.Tensor)]
@@ -266,6 +270,34 @@ def node_error(n: fx.Node, env: Mapping[fx.Node, Any], symbols: tuple[Any, Any],
         return SymbolicUnsupported(f"{n.name}: {first}", node=n.name, error=error)
     error.node = n.name  # type: ignore[attr-defined]
     return error
+
+
+def dtype_error(n: fx.Node, model: str, e: DtypeMismatch) -> CaptureError:
+    """The CaptureError for operands a real kernel refuses (Note [Operand dtypes] in engine/dispatch.py).
+
+    Names the layer and the dtypes, and the way out: the usual cause is an --input dtype that differs
+    from the weights', where the user believed --param-dtype changed the weights the step computes with.
+    """
+    dtypes = " and ".join(dtype_name(d) for d in e.dtypes)
+    weights = _weight_dtype(n)
+    held = f"the model's weights are {dtype_name(weights)} in this step" if weights is not None else "the model's weights keep their dtypes"
+    match = f"give --input in {dtype_name(weights)}" if weights is not None else "give --input in the weights' dtype"
+    error = CaptureError(
+        f"model '{model}': node '{n.name}' in module '{node_fqn(n) or '(top level)'}'{_source_line(n)} calls {e.op} on "
+        f"operands of two dtypes, {dtypes} ({e.describe()}), which torch refuses outside autocast: a real run raises "
+        f"here. {held.capitalize()} (--param-dtype only changes how the state is counted; a --precision recipe with "
+        f"bf16 weights runs the step with bfloat16 weights): {match}, or run the forward under autocast (--amp bf16 "
+        "or --amp fp16), which casts both operands."
+    )
+    error.node = n.name  # type: ignore[attr-defined]
+    return error
+
+
+def _weight_dtype(n: fx.Node) -> torch.dtype | None:
+    """The one dtype of the model's floating parameters in this pass (None: none, or several)."""
+    gm = n.graph.owning_module
+    dtypes = {p.dtype for p in gm.parameters() if p.is_floating_point()} if gm is not None else set()
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
 
 
 def _source_line(n: fx.Node) -> str:
@@ -323,7 +355,7 @@ def capture_saved(
     """
     fake = fake_batch(specs, batch, seq, state_dtype)
     with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log():
-        book = _new_book(gm, fake.inputs, fake.symbols.get("B"), fake.symbols.get("S"))
+        book = _new_book(gm, tensors_of(specs, fake.inputs), fake.symbols.get("B"), fake.symbols.get("S"))
         book.strict = strict
         values = bind_inputs(gm, specs, fake.inputs, model)
         with fake.mode, OpRuleMode(rules, book.overrides), kernels():
@@ -369,7 +401,7 @@ def fake_batch(specs: Sequence[InputSpec], batch: int | None, seq: int | None, s
     with mode:
         b = _new_symbol(shape_env, "B", _BATCH_HINT) if batch is None else batch
         s = _new_symbol(shape_env, "S", _SEQ_HINT) if seq is None and has_seq(specs) else seq
-        inputs = [make_tensor(spec, b, s) for spec in specs]
+        inputs = [make_input(spec, b, s) for spec in specs]
     symbols = {name: v.node.expr for name, v in (("B", b), ("S", s)) if isinstance(v, torch.SymInt)}
     return FakeBatch(mode, shape_env, inputs, symbols, state_dtype)
 
@@ -396,8 +428,8 @@ def record_real(
     gm: fx.GraphModule, specs: Sequence[InputSpec], *, loss: Loss, batch: int, model: str = "model", seq: int | None = None
 ) -> Capture:
     """The same recorder on real CPU tensors: the measurement. ``gm`` must hold real CPU weights."""
-    inputs = [make_tensor(s, batch, seq) for s in specs]
-    book = _new_book(gm, inputs, None, None)
+    inputs = [make_input(s, batch, seq) for s in specs]
+    book = _new_book(gm, tensors_of(specs, inputs), None, None)
     infos = _run(gm, book, bind_inputs(gm, specs, inputs, model), loss, model)
     return Capture(batch, tuple(infos), book.saved_tensors(), book.input_bytes(), ())
 

@@ -1,6 +1,7 @@
 """The dispatch mode under which fake passes run: faithful to what eager CPU kernels allocate.
 
-It does three things, all in ``__torch_dispatch__``, below autograd: computes a few composite ops
+It does four things, all in ``__torch_dispatch__``, below autograd: refuses the operand dtypes that
+real matmul and convolution kernels refuse (Note [Operand dtypes]), computes a few composite ops
 with a SymInt-safe reference where their fake kernel would read concrete sizes, decomposes composite
 ops exactly as eager CPU does, and applies op rules (``fxmem/rules/ops.py``) that record the true size
 of storages whose fake kernels under-report them (the CPU LSTM's workspace).
@@ -8,6 +9,7 @@ of storages whose fake kernels under-report them (the CPU LSTM's workspace).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +19,7 @@ from torch._C import DispatchKey
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpRule", "OpRuleMode"]
+__all__ = ["DtypeMismatch", "OpRule", "OpRuleMode", "check_operand_dtypes"]
 
 OpRule = Callable[[Sequence[Any], Mapping[str, Any], Any], Mapping[int, object]]
 """An op rule gets an aten op's (args, kwargs, output) and returns {output index: true nbytes}
@@ -33,6 +35,124 @@ _SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {torch.ops.aten.constant_pad
 """Ops whose fake kernel reads concrete sizes, so that it would fix B to its hint (HF pads labels with
 constant_pad_nd), computed instead by torch's own SymInt-safe Python reference. Both allocate one
 output of the padded size, so what autograd saves is unchanged."""
+
+
+# Note [Operand dtypes]
+#     A real matmul or convolution kernel refuses operands of two floating dtypes; the fake kernels of
+#     several (mm, addmm, addbmm, mv, _addmm_activation: torch/_meta_registrations.py) do not check,
+#     so a float16 batch fed to float32 weights ran and gave numbers where the real step raises.
+#     The rules, from the torch sources and checked op by op against eager CPU in
+#     tests/test_dtype_errors.py:
+#     - aten/src/ATen/native/LinearAlgebra.cpp: ADDMM_META ("self and mat2 must have the same dtype",
+#       "mat1 and mat2 must have the same dtype") for addmm and _addmm_activation, mm's meta function,
+#       baddbmm/addbmm/bmm ("expected scalar type ... but found ..."), mv/addmv and dot/vdot: every
+#       floating tensor operand, the added one (a Linear's bias) included, has one dtype.
+#     - aten/src/ATen/native/Convolution.cpp: the input and the weight have one dtype
+#       (check_input_same_type_as_parameters: "Input type ... and weight type ... should be the same").
+#       The bias is checked by the conv1d/2d/3d entry points (the same function, "... and bias type
+#       ... should be the same") and by the CPU's transposed 3-d kernel, not by ``convolution`` itself
+#       nor by conv_transpose1d/2d: eager CPU runs those with a bias of another dtype.
+#     The conv1d/2d/3d checks run in C++ before their ops reach any mode, on fake tensors too; their
+#     messages are read back into a DtypeMismatch (``DtypeMismatch.from_torch``).
+#     Autocast (CPU, or CUDA's as fxmem/gpu/target.py emulates it) casts these ops' operands before
+#     they reach this mode, which sits below both; so the check sees what the kernel would get, and a
+#     mixed-dtype layer under autocast passes, as it does for real. The ``.dtype`` overloads of the
+#     matmuls (an explicit out_dtype) are left to torch's own checks.
+
+_aten = torch.ops.aten
+_INPUT_WEIGHT, _INPUT_WEIGHT_BIAS = ("input", "weight"), ("input", "weight", "bias")
+_MATMUL_OPERANDS: dict[Any, tuple[str, ...]] = {
+    _aten.mm: ("self", "mat2"),
+    _aten.addmm: ("self", "mat1", "mat2"),
+    _aten._addmm_activation: ("self", "mat1", "mat2"),
+    _aten.bmm: ("self", "mat2"),
+    _aten.baddbmm: ("self", "batch1", "batch2"),
+    _aten.addbmm: ("self", "batch1", "batch2"),
+    _aten.mv: ("self", "vec"),
+    _aten.addmv: ("self", "mat", "vec"),
+    _aten.matmul: ("self", "other"),
+    _aten.dot: ("self", "tensor"),
+    _aten.vdot: ("self", "other"),
+    _aten.linear: _INPUT_WEIGHT_BIAS,
+}
+"""Matmul-family ops (default overloads) and the operands that must share one dtype."""
+_CONV_OPERANDS: dict[Any, tuple[str, ...]] = {
+    **dict.fromkeys((_aten.conv1d, _aten.conv2d, _aten.conv3d, _aten.conv_transpose3d), _INPUT_WEIGHT_BIAS),
+    **dict.fromkeys((_aten.conv_transpose1d, _aten.conv_transpose2d), _INPUT_WEIGHT),
+}
+"""Convolution entry points, every overload, and the operands that must share one dtype; ``convolution``
+and ``_convolution`` are ``_convolution_operands``'."""
+_CHECKED = frozenset((*_MATMUL_OPERANDS, *_CONV_OPERANDS, _aten.convolution, _aten._convolution))
+"""Every op packet with a dtype rule: the one set lookup most ops pay."""
+_TORCH_CONV_CHECK = re.compile(r"Input type \((?P<input>[^)]+)\) and (?P<other>weight|bias) type \((?P<dtype>[^)]+)\) should be the same")
+"""check_input_same_type_as_parameters' message (Convolution.cpp), with C++ or Python dtype names."""
+_CPP_DTYPES = {"float": torch.float32, "double": torch.float64, "c10::Half": torch.float16, "c10::BFloat16": torch.bfloat16}
+
+
+class DtypeMismatch(RuntimeError):
+    """An op got floating operands of two dtypes, which its real kernel refuses (Note [Operand dtypes]).
+
+    Not an FxmemError: the node running the op names the layer (``fxmem/engine/capture.py``,
+    ``node_error``), which this mode, below the graph, cannot see.
+    """
+
+    def __init__(self, op: str, operands: Sequence[tuple[str, torch.dtype]]) -> None:
+        self.op = op
+        self.operands = tuple(operands)
+        super().__init__(f"{op} got operands of two dtypes ({self.describe()}), which its kernel refuses outside autocast")
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The distinct dtypes, in operand order."""
+        return tuple(dict.fromkeys(dtype for _, dtype in self.operands))
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {str(dtype).removeprefix('torch.')}" for name, dtype in self.operands)
+
+    @classmethod
+    def from_torch(cls, e: BaseException) -> DtypeMismatch | None:
+        """The mismatch a convolution entry point's own C++ check reported, or None for other errors."""
+        found = _TORCH_CONV_CHECK.search(str(e)) if isinstance(e, RuntimeError) else None
+        if found is None:
+            return None
+        input_dtype, other_dtype = _dtype_named(found["input"]), _dtype_named(found["dtype"])
+        if input_dtype is None or other_dtype is None:
+            return None
+        return cls("aten.convolution", [("input", input_dtype), (found["other"], other_dtype)])
+
+
+def _dtype_named(name: str) -> torch.dtype | None:
+    """The dtype of a C++ scalar type name ('c10::Half') or a Python one ('torch.float16')."""
+    found = _CPP_DTYPES.get(name, getattr(torch, name.removeprefix("torch."), None))
+    return found if isinstance(found, torch.dtype) else None
+
+
+def _same_dtype_operands(func: Any, bound: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names of ``func``'s operands that its kernel requires to share a dtype; () for other ops."""
+    packet = func.overloadpacket
+    if packet in (_aten.convolution, _aten._convolution):
+        return _convolution_operands(bound)
+    if packet in _CONV_OPERANDS:
+        return _CONV_OPERANDS[packet]
+    return _MATMUL_OPERANDS.get(packet, ()) if func._overloadname == "default" else ()
+
+
+def _convolution_operands(bound: Mapping[str, Any]) -> tuple[str, ...]:
+    """``convolution`` checks input against weight; the CPU's transposed 3-d kernel the bias too."""
+    weight = bound.get("weight")
+    transposed_3d = bool(bound.get("transposed")) and isinstance(weight, torch.Tensor) and weight.dim() == 5
+    return _INPUT_WEIGHT_BIAS if transposed_3d else _INPUT_WEIGHT
+
+
+def check_operand_dtypes(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Raise DtypeMismatch where the real kernel of ``func`` would refuse its operands' dtypes."""
+    if getattr(func, "overloadpacket", None) not in _CHECKED:  # a higher-order op has no packet
+        return
+    bound = {a.name: v for a, v in zip(func._schema.arguments, args)} | dict(kwargs)
+    names = _same_dtype_operands(func, bound)
+    operands = [(n, t.dtype) for n in names if isinstance(t := bound.get(n), torch.Tensor) and t.is_floating_point()]
+    if len({dtype for _, dtype in operands}) > 1:
+        raise DtypeMismatch(str(func.overloadpacket), operands)
 
 
 def _eager_decomposes(func: Any) -> bool:
@@ -65,6 +185,7 @@ class OpRuleMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        check_operand_dtypes(func, args, kwargs)
         if func in _SYMBOLIC_REWRITES:
             rewritten = _SYMBOLIC_REWRITES[func](*args, **kwargs)
             if rewritten is not NotImplemented:

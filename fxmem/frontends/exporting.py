@@ -50,6 +50,7 @@ import contextlib
 import inspect
 import io
 import re
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -57,11 +58,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
+from torch.utils._pytree import tree_map
 
 from fxmem.errors import TraceError
 from fxmem.frontends.checkpointing import attach_exported_regions, tagging_checkpoints
 from fxmem.frontends.hf_paths import eager_code_paths, has_eager_code_paths
-from fxmem.inputs import InputSpec
+from fxmem.frontends.huggingface import prepared_for_training
+from fxmem.inputs import Constant, InputSpec
 
 __all__ = ["export_model", "export_reason"]
 
@@ -144,31 +147,48 @@ def _export(
     """One non-strict export (a meta model faked ``on_cpu``, transformers on its ``eager_paths``), and
     the checkpoint calls it traced through (Note [Checkpointed regions])."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_without_kv_cache(model))
+        stack.enter_context(prepared_for_training(model))  # See Note [A Hugging Face model passed as an object]
         if on_cpu:
             device = stack.enter_context(_meta_faked_on_cpu(device))
         if eager_paths:
             stack.enter_context(eager_code_paths(_input_names(model, specs)))
+        stack.enter_context(_symbolic_len(model))
         args = tuple(_example(s, device) for s in specs if s.name is None)
         kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
         with tagging_checkpoints() as checkpoints:
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False), checkpoints
 
 
+# Note [len() of a batch-sized tensor]
+#     Python's len() must return an int (the sq_length / mp_length slot), so ``len(t)`` on a tensor
+#     whose first axis is the batch B guards B to the example's size: torch.export then reports the
+#     dynamic batch "specialized to a constant". transformers' CLIP loss does exactly this:
+#     ``cross_entropy(logits, torch.arange(len(logits)))`` (models/clip/modeling_clip.py,
+#     ``contrastive_loss``). While exporting, a module that defines one of the model's classes and has
+#     no ``len`` of its own sees one that returns a tensor's first size as it is, a SymInt, which
+#     torch.arange and every other tensor factory take; where the caller needs a Python int
+#     (``range(len(t))``) the SymInt guards as len() did, so nothing traces that did not before.
+
+
+def _len(value: Any) -> Any:
+    """len() that keeps a tensor's first size symbolic. See Note [len() of a batch-sized tensor]."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return value.shape[0]
+    return len(value)
+
+
 @contextlib.contextmanager
-def _without_kv_cache(model: nn.Module) -> Iterator[None]:
-    """A Hugging Face model built by the user's own factory, with ``config.use_cache`` off while it is
-    exported: a training step has no use for the key/value cache (``hf:`` specs build models without
-    it), and the ``DynamicCache`` it returns is no output torch.export can take."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", None) is not True:
-        yield
-        return
-    config.use_cache = False  # type: ignore[union-attr]
+def _symbolic_len(model: nn.Module) -> Iterator[None]:
+    """See Note [len() of a batch-sized tensor]."""
+    names = {type(m).__module__ for m in model.modules()}
+    modules = [m for m in (sys.modules.get(n) for n in names) if m is not None and "len" not in vars(m)]
+    for module in modules:
+        module.len = _len  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        config.use_cache = True  # type: ignore[union-attr]
+        for module in modules:
+            del module.len
 
 
 @contextlib.contextmanager
@@ -227,7 +247,9 @@ def _muted() -> Iterator[None]:
         yield
 
 
-def _example(spec: InputSpec, device: torch.device) -> torch.Tensor:
+def _example(spec: InputSpec, device: torch.device) -> Any:
+    if isinstance(spec, Constant):
+        return spec.value
     return torch.zeros(spec.shape_at(_EXAMPLE_BATCH, _EXAMPLE_SEQ), dtype=spec.dtype, device=device)
 
 
@@ -248,7 +270,11 @@ def _dynamic_shapes(model: nn.Module, specs: Sequence[InputSpec], dims: dict[str
     return out
 
 
-def _axes(spec: InputSpec, dims: dict[str, Any]) -> dict[int, Any]:
+def _axes(spec: InputSpec, dims: dict[str, Any]) -> Any:
+    """The symbolic axes of one input; for a constant, which torch.export specializes on, None at each
+    of its leaves (torch.export wants the input's own structure)."""
+    if isinstance(spec, Constant):
+        return tree_map(lambda _: None, spec.value)
     return {i: dims[d] for i, d in enumerate(spec.dims) if isinstance(d, str)}
 
 

@@ -5,19 +5,39 @@ holding one) reads a file, which is how to name a model where no network is reac
 built with ``from_config`` (on the meta device, as every spec is), with ``use_cache=False`` (a
 ``DynamicCache`` output cannot be exported), and its default inputs carry ``labels`` so that the step
 includes the model's own loss and the log-softmax over the vocabulary it keeps.
+
+Note [A Hugging Face model passed as an object]
+    ``fxmem.analyze(model, ...)`` with a model the user built (``T5ForConditionalGeneration(config)``,
+    ``from_pretrained``) must be traced as the ``hf:`` spec of the same config is, or the two disagree
+    (issue 18). An ``hf:`` spec edits its config before the model exists (``_for_training``), so
+    every copy the model makes of it carries the edit; a built model has already made its copies:
+    T5 (transformers 5.25, models/t5/modeling_t5.py, ``T5ForConditionalGeneration.__init__``)
+    deep-copies its config for the encoder and decoder stacks, so ``model.config.use_cache = False``
+    leaves the decoder building an ``EncoderDecoderCache``, which torch.export rejects as an output
+    ("Found EncoderDecoderCache in output"). ``prepared_for_training`` therefore applies the same
+    edit to every config the model holds (each submodule's ``config``, and their ``sub_configs``), for
+    the trace only, and puts back each attribute it changed, the user's config as it was. The
+    attention implementation is left as the user chose it: it is what their step runs, and a model
+    built from a config gets transformers' default, as an ``hf:`` spec does. An encoder-decoder
+    without a decoder start token (``T5Config()`` has none in transformers 5.25) is given one for the
+    trace, as its ``hf:`` spec is; its own eager step (and fxmem.measure) fails on shifting labels.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Mapping
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from fxmem.errors import LoadError
 from fxmem.results import ModelSpec
 
-__all__ = ["hf_factory"]
+__all__ = ["hf_factory", "prepared_for_training"]
 
 _MAX_DEFAULT_SEQ = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
@@ -36,9 +56,7 @@ def hf_factory(
     transformers = _import_transformers()
     config = _config(transformers, name)
     _apply_overrides(config, overrides, name)
-    config.use_cache = False
-    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
-        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0  # labels are shifted with it
+    _for_training(config)
     seq = seq_len or _default_seq_len(config)
     inputs = {"input_ids": f"B,{seq}:int64", "labels": f"B,{seq}:int64"}
 
@@ -49,6 +67,66 @@ def hf_factory(
         return ModelSpec(model, inputs, loss="auto", name=f"hf:{name}")
 
     return build
+
+
+_ABSENT = object()
+"""The old value of an attribute ``_for_training`` added: restoring it deletes the attribute."""
+
+
+def _for_training(config: Any) -> dict[str, Any]:
+    """Edit ``config`` for a training step; return {attribute: old value} for what changed.
+
+    No key/value cache (a step has no use for it, and torch.export cannot return a ``DynamicCache``);
+    an encoder-decoder gets a decoder start token where it has none, since its labels are shifted
+    right with it to make the decoder's inputs.
+    """
+    old: dict[str, Any] = {}
+    if getattr(config, "use_cache", None) is not False:
+        old["use_cache"] = getattr(config, "use_cache", _ABSENT)
+        config.use_cache = False
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        old["decoder_start_token_id"] = getattr(config, "decoder_start_token_id", _ABSENT)
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    return old
+
+
+@contextlib.contextmanager
+def prepared_for_training(model: nn.Module) -> Iterator[None]:
+    """See Note [A Hugging Face model passed as an object]: every config in ``model`` edited as an
+    ``hf:`` spec's is, while tracing; the user's configs as they were afterwards. A no-op for a
+    model that holds no transformers config (and transformers is never imported here)."""
+    changed: list[tuple[Any, dict[str, Any]]] = []
+    try:
+        for config in _configs(model):
+            changed.append((config, _for_training(config)))
+        yield
+    finally:
+        for config, old in reversed(changed):
+            _restore(config, old)
+
+
+def _configs(model: nn.Module) -> list[Any]:
+    """The distinct transformers configs ``model`` holds: each submodule's, and their sub-configs."""
+    configuration = sys.modules.get("transformers.configuration_utils")  # imported with any transformers model
+    base = getattr(configuration, "PretrainedConfig", None)
+    if not isinstance(base, type):
+        return []
+    found: dict[int, Any] = {}
+    pending = [getattr(m, "config", None) for m in model.modules()]
+    while pending:
+        config = pending.pop()
+        if isinstance(config, base) and id(config) not in found:
+            found[id(config)] = config
+            pending.extend(getattr(config, key, None) for key in getattr(type(config), "sub_configs", {}) or {})
+    return list(found.values())
+
+
+def _restore(config: Any, old: Mapping[str, Any]) -> None:
+    for key, value in old.items():
+        if value is _ABSENT:
+            delattr(config, key)
+        else:
+            setattr(config, key, value)
 
 
 def _checkpoint_layers(model: Any, name: str) -> None:

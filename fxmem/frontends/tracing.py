@@ -19,6 +19,7 @@ from torch import nn
 from fxmem.errors import InputSpecError, TraceError
 from fxmem.frontends.checkpointing import attach_regions, recording_checkpoints
 from fxmem.frontends.exporting import export_model, export_reason
+from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.inputs import InputSpec
 
 __all__ = ["FRONTENDS", "Traced", "trace_model"]
@@ -64,6 +65,11 @@ def trace_model(
     """Trace ``model`` (usually on the meta device): fx first, torch.export when fx fails and ``frontend="auto"``."""
     if frontend not in FRONTENDS:
         raise InputSpecError(f"unknown frontend '{frontend}'; use one of: {', '.join(FRONTENDS)}.")
+    with prepared_for_training(model):  # See Note [A Hugging Face model passed as an object]
+        return _trace(model, specs, name, leaf_types, frontend)
+
+
+def _trace(model: nn.Module, specs: Sequence[InputSpec], name: str, leaf_types: Sequence[type], frontend: str) -> Traced:
     if frontend == "export":
         return Traced(export_model(model, specs, name=name), "export")
     try:

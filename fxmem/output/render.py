@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from fxmem.inputs import dtype_name, format_dims
+from fxmem.inputs import Constant, InputSpec, dtype_name, format_dims
 from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Timeline
 
 if TYPE_CHECKING:
@@ -93,7 +93,9 @@ def _layer_row(fqn: str, nodes: Sequence[NodeRecord]) -> LayerRow:
         for b, v in n.exact.items():
             exact[b] += v
     ops = tuple(dict.fromkeys(n.info.target for n in nodes))
-    return LayerRow(fqn, ops, nodes[-1].info.output_shape, ByteExpr.total(n.saved for n in nodes), dict(exact), tuple(n.name for n in nodes))
+    return LayerRow(
+        fqn, ops, nodes[-1].info.output_shape, ByteExpr.total(n.saved for n in nodes), dict(exact), tuple(n.name for n in nodes)
+    )
 
 
 def _layer_bytes(report: Report, rows: Sequence[LayerRow], batch: int) -> list[int]:
@@ -153,7 +155,9 @@ def _title(report: Report) -> str:
     if report.checkpointed:
         graph += f", {report.checkpointed} checkpointed region{'s' if report.checkpointed > 1 else ''}"
     target = f"\ntarget: {report.setup.describe()}" if report.setup is not None else ""
-    return f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how}){target}"
+    return (
+        f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how}){target}"
+    )
 
 
 def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
@@ -171,7 +175,11 @@ def _summary(report: Report) -> str:
         ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at {at}"],
         ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at {at}"],
         [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
-        [f"Total at {at}", format_bytes(report.total_bytes(b)), f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch"],
+        [
+            f"Total at {at}",
+            format_bytes(report.total_bytes(b)),
+            f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch",
+        ],
         *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
         *_peak_lines(report, b, at),
         ["Floor at B=1", format_bytes(report.step_bytes(1)), f"{_basis(report)} with one sample"],
@@ -187,11 +195,12 @@ def _summary(report: Report) -> str:
         notes.append(f"Peak: {report.steps.note}.")
     if report.accounting.batch_one_error:
         notes.append(
-            "The model cannot train at B=1, so B=1 figures follow the line: "
-            + " ".join(report.accounting.batch_one_error.split())[:300]
+            "The model cannot train at B=1, so B=1 figures follow the line: " + " ".join(report.accounting.batch_one_error.split())[:300]
         )
     if report.batch_one_special:
-        notes.append(f"B=1 is special: {', '.join(report.batch_one_special[:5])} save different bytes at B=1 than the line predicts; B=1 figures are exact.")
+        notes.append(
+            f"B=1 is special: {', '.join(report.batch_one_special[:5])} save different bytes at B=1 than the line predicts; B=1 figures are exact."
+        )
     if not report.accounting.linear:
         notes.append(f"Saved bytes are not exactly linear in B ({report.accounting.note}); every figure at a given B is exact.")
     elif report.accounting.method == "concrete":
@@ -293,7 +302,11 @@ def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
     d = report.peak(b).device
     assert d is not None
     lines = [
-        [f"GPU at {at}", format_bytes(d.total), f"nvidia-smi total; max_memory_allocated {format_bytes(d.allocated)}, reserved {format_bytes(d.reserved)}"],
+        [
+            f"GPU at {at}",
+            format_bytes(d.total),
+            f"nvidia-smi total; max_memory_allocated {format_bytes(d.allocated)}, reserved {format_bytes(d.reserved)}",
+        ],
     ]
     lines += [[f"+ {name}", format_bytes(n), why] for name, n, why in d.overheads if n]
     return _per_gpu_lines(report) + lines + _estimate_lines(report.peak(b))
@@ -306,7 +319,9 @@ def _estimate_lines(p: Peak) -> list[list[str]]:
         return []
     rise = f"with every such workspace at its bound the step's peak would be {format_bytes(p.upper)}, not {format_bytes(p.bytes)}"
     if not p.estimated:
-        return [["Estimated workspaces", "", f"cuDNN convolution workspaces are estimates (its engine is cuDNN's choice at run time); {rise}"]]
+        return [
+            ["Estimated workspaces", "", f"cuDNN convolution workspaces are estimates (its engine is cuDNN's choice at run time); {rise}"]
+        ]
     return [
         [
             "Estimated at the peak",
@@ -357,7 +372,11 @@ def _device_line(report: Report) -> list[str]:
     v = report.verdict(report.device_memory)
     label = f"Device {format_bytes(v.budget)}"
     if v.max_batch is None and not v.unbounded:
-        return [label, "does not fit", f"one sample needs {format_bytes(v.floor)}: no batch size fits; shrink the per-sample shape or the state"]
+        return [
+            label,
+            "does not fit",
+            f"one sample needs {format_bytes(v.floor)}: no batch size fits; shrink the per-sample shape or the state",
+        ]
     if v.unbounded:
         return [label, "fits at any batch", "memory does not grow with B"]
     fits = v.max_batch
@@ -366,7 +385,12 @@ def _device_line(report: Report) -> list[str]:
 
 
 def _saved_tensor_dict(t: Any, batch: int) -> dict[str, Any]:
-    return {"shape": list(t.shape), "dtype": t.dtype, "bytes": {"per_sample": t.nbytes.per_sample, "constant": t.nbytes.fixed}, "saved_by": list(t.saved_by)}
+    return {
+        "shape": list(t.shape),
+        "dtype": t.dtype,
+        "bytes": {"per_sample": t.nbytes.per_sample, "constant": t.nbytes.fixed},
+        "saved_by": list(t.saved_by),
+    }
 
 
 def _expr_dict(e: ByteExpr) -> dict[str, Any]:
@@ -388,14 +412,18 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
         "frontend": report.frontend,
         "checkpointed_regions": report.checkpointed,
         "linear_in_batch": report.accounting.linear,
-        "inputs": [
-            {"name": i.name, "shape": list(i.dims), "dtype": dtype_name(i.dtype), "bytes": _expr_dict(_input_expr(i))} for i in report.inputs
-        ],
+        "inputs": [_input_dict(i) for i in report.inputs],
         "input_bytes": _expr_dict(report.accounting.inputs),
         "model_state": {
-            "parameters": s.parameters, "trainable_parameters": s.trainable, "weights": s.weights,
-            "weights_by_dtype": dict(s.weights_by_dtype), "buffers": s.buffers, "gradients": s.gradients,
-            "optimizer": s.optimizer, "optimizer_name": s.optimizer_name, "total": s.total,
+            "parameters": s.parameters,
+            "trainable_parameters": s.trainable,
+            "weights": s.weights,
+            "weights_by_dtype": dict(s.weights_by_dtype),
+            "buffers": s.buffers,
+            "gradients": s.gradients,
+            "optimizer": s.optimizer,
+            "optimizer_name": s.optimizer_name,
+            "total": s.total,
         },
         "activations": _expr_dict(report.activations),
         "nodes": [_node_dict(n, flops.get(n.name)) for n in report.nodes],
@@ -406,7 +434,12 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
         "batch_one_special": list(report.batch_one_special),
         "batch_one_error": report.accounting.batch_one_error or None,
         "seq_len": report.seq_len,
-        "at_batch": {"batch": b, "activations": report.activation_bytes(b), "inputs": report.input_bytes(b), "total": report.total_bytes(b)},
+        "at_batch": {
+            "batch": b,
+            "activations": report.activation_bytes(b),
+            "inputs": report.input_bytes(b),
+            "total": report.total_bytes(b),
+        },
         "floor": report.total_bytes(1),
         "device_memory": report.device_memory,
         "max_batch": report.max_batch(report.device_memory) if report.device_memory is not None else None,
@@ -486,6 +519,13 @@ def _device_dict(d: DevicePeak | None) -> dict[str, Any] | None:
     }  # fmt: skip
 
 
+def _input_dict(spec: InputSpec) -> dict[str, Any]:
+    """One input in the JSON: a tensor's shape, dtype and bytes, or a pass-through value's repr."""
+    if isinstance(spec, Constant):
+        return {"name": spec.name, "value": repr(spec.value)}
+    return {"name": spec.name, "shape": list(spec.dims), "dtype": dtype_name(spec.dtype), "bytes": _expr_dict(_input_expr(spec))}
+
+
 def _input_expr(spec: Any) -> ByteExpr:
     import torch
 
@@ -528,11 +568,19 @@ def render_timeline(timeline: Timeline, peak: Peak, batch: int, seq: int | None,
             current[2], current[3] = live, f"{e.node} ({e.op})"
     if current:
         rows.append(_phase_row(current, live))
-    kind = "first step: the optimizer state is made in step()" if timeline.first_step else "steady step: the optimizer state exists from the start"
+    kind = (
+        "first step: the optimizer state is made in step()"
+        if timeline.first_step
+        else "steady step: the optimizer state exists from the start"
+    )
     head = f"fxmem timeline: {model} at B={batch}" + (f", S={seq}" if seq is not None else "") + f" ({kind})"
     table = tabulate(rows, headers=["Phase", "At start", "Highest", "Where (node, op)", "At end"], disable_numparse=True)
     split = ", ".join(f"{c.value} {format_bytes(n)}" for c, n in peak.breakdown.items())
-    lines = [head, table, f"Peak {format_bytes(peak.bytes)} ({peak.bytes} B) in {peak.phase} at {peak.node} ({peak.op}). Alive there: {split}."]
+    lines = [
+        head,
+        table,
+        f"Peak {format_bytes(peak.bytes)} ({peak.bytes} B) in {peak.phase} at {peak.node} ({peak.op}). Alive there: {split}.",
+    ]
     if peak.device is not None:
         d = peak.device
         lines.append(

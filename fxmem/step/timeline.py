@@ -64,7 +64,7 @@ from fxmem.engine.recompute import SIGNALS as CHECKPOINT_SIGNALS
 from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
-from fxmem.inputs import InputSpec, dtype_name
+from fxmem.inputs import InputSpec, dtype_name, tensors_of
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
@@ -391,7 +391,7 @@ def simulate_step(
             tracker.names[StorageWeakRef(p.untyped_storage())] = name
         for b in gm.buffers():
             tracker.adopt(b, Category.BUFFER)
-        for t in fake.inputs:
+        for t in tensors_of(specs, fake.inputs):
             tracker.adopt(t, Category.INPUT)
         values = bind_inputs(gm, specs, fake.inputs, model)
         with fake.mode:

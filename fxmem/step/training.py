@@ -66,6 +66,26 @@ class TrainingSetup:
             self.device  # noqa: B018 - fails early on an unknown --gpu
         self.release  # noqa: B018 - fails early on a malformed --torch-version
 
+    def unused(self) -> tuple[str, ...]:
+        """What was asked that has no effect on this setup, one sentence each (see FxmemWarning)."""
+        found = []
+        if self.world_size == 1 and self.shard != "none":
+            found.append(f"--shard {self.shard} with --world-size 1 divides nothing: one GPU holds the whole state; give --world-size N.")
+        if self.world_size > 1 and self.shard == "none":
+            found.append(
+                f"--world-size {self.world_size} without --shard changes nothing here: every GPU holds the whole state (plain "
+                "data parallel; DDP's gradient buckets are not modelled), as one GPU does; add --shard zero1, zero2, zero3 or "
+                "fsdp to divide it."
+            )
+        if not self.cuda:
+            given = [
+                ("--gpu", self.gpu != DEFAULT_GPU),
+                ("--torch-version", self.torch_version is not None),
+                ("--overhead", bool(self.overheads)),
+            ]
+            found += [f"{option} describes the cuda target and has no effect with --target cpu." for option, on in given if on]
+        return tuple(found)
+
     @property
     def cuda(self) -> bool:
         return self.target == "cuda"
