@@ -10,8 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import fxmem
 from fxmem.cost.tradeoff import BN_THRESHOLD, batches_to_try, batchnorm_caveat
 from fxmem.engine.losses import get_loss
-from fxmem.inputs import parse_inputs
-from fxmem.measure import make_tensor
+from fxmem.inputs import make_tensor, parse_inputs
 from models_zoo import ZOO
 from tests.helpers import analyze_on_meta
 
