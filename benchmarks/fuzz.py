@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
-from fuzz_grammar import FEATURES, FuzzCase, GrammarError, Mismatch, check_case, fuzz_cases
+from fuzz_grammar import FEATURES, FuzzCase, GrammarError, Mismatch, check_case, check_peak, fuzz_cases, peak_checkable
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
@@ -50,14 +50,25 @@ def signature(e: BaseException) -> str:
     return f"{'grammar' if isinstance(e, GrammarError) else 'crash'}: {type(e).__name__}: {first}"
 
 
+CHECK = {"check": check_case}
+"""What each example is held to: its saved bytes (default), or with --peak its step's peak as well."""
+
+
 def run_case(case: FuzzCase) -> BaseException | None:
     try:
-        check_case(case)
+        CHECK["check"](case)
     except (KeyboardInterrupt, HypothesisException):
         raise
     except Exception as e:  # noqa: BLE001 - every failure is recorded, none stops the run
         return e
     return None
+
+
+def _bytes_and_peak(case: FuzzCase) -> None:
+    """Saved bytes exact, and where fxmem claims it (``peak_checkable``), the step's peak within 1%."""
+    check_case(case)
+    if peak_checkable(case):
+        check_peak(case)
 
 
 def explore(examples: int, seed_value: int) -> tuple[int, list[Failure]]:
@@ -118,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=2000, help="random models to check (default 2000)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed, for a reproducible run (default 0)")
     parser.add_argument("--no-shrink", action="store_true", help="report failures as found, without shrinking")
+    parser.add_argument("--peak", action="store_true", help="also check the step's peak against measure_peak (float32 CPU models; within 1%%)")
     args = parser.parse_args(argv)
+    if args.peak:
+        CHECK["check"] = _bytes_and_peak
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
 

@@ -1289,3 +1289,42 @@ def check_case(case: FuzzCase) -> None:
                     f"({measured.graph_total} through the fx graph)",
                     ("(eager total)",),
                 )
+
+
+PEAK_TOLERANCE = 0.01
+"""The step's peak against ``measure_peak``: within 1% (issue 18), in the same phase."""
+
+
+def peak_checkable(case: FuzzCase) -> bool:
+    """Whether fxmem claims the CPU step's peak for this case: float32 models on the CPU, without
+    convolutions unless the CPU is AVX512 (the oneDNN convolution rules describe AVX512 kernels, and
+    fxmem has no rules yet for oneDNN's bf16/fp16 matmul buffers on the CPU)."""
+    if case.dtype != torch.float32 or case.device != "cpu":
+        return False
+    has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in case.model.modules())
+    return not has_conv or torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+def check_peak(case: FuzzCase) -> None:
+    """fxmem's step peak (AdamW, first and steady step) agrees with a real CPU step's within 1%, at the
+    case's largest batch and in the same phase. Raises Mismatch otherwise."""
+    validate_case(case)
+    batch = case.batches[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = fxmem.analyze(case.model, case.inputs, loss=case.loss, optimizer="adamw", target="cpu")
+        for first in (False, True):
+            predicted = report.peak(batch, first_step=first)
+            try:
+                measured = fxmem.measure_peak(case.model, case.inputs, batch, loss=case.loss, optimizer="adamw", first_step=first)
+            except fxmem.CaptureError as e:  # a loss without a gradient: no training step to hold it to
+                if "does not require grad" in str(e):
+                    raise GrammarError(f"the model has no training step: {e}") from e
+                raise
+            step = "first" if first else "steady"
+            if predicted.phase != measured.phase or abs(predicted.bytes / measured.bytes - 1) > PEAK_TOLERANCE:
+                raise Mismatch(
+                    f"B={batch} {step} step: peak predicted {predicted.bytes} in {predicted.phase.value}, measured "
+                    f"{measured.bytes} in {measured.phase.value} ({predicted.bytes / measured.bytes - 1:+.2%})",
+                    (f"peak ({step} step, {predicted.phase.value})",),
+                )
