@@ -190,7 +190,8 @@ class PeakMeasurement:
     """On a GPU: the peak of the caching allocator's requested bytes (``requested_bytes.all.peak``), the
     same step's figure before the allocator's rounding; ``bytes`` is ``max_memory_allocated``."""
     phases: dict[Phase, int] = field(default_factory=dict)
-    """On a GPU: ``max_memory_allocated`` within each phase."""
+    """The highest bytes reached within each phase: on a GPU ``max_memory_allocated`` read per phase, on
+    the CPU the baseline plus the profiler's running sum at its highest inside the phase's range."""
 
 
 _PHASE_RANGE = "fxmem::"
@@ -254,8 +255,9 @@ def measure_peak(
         return PeakMeasurement(batch, first_step, allocated[phase], phase, baseline, {}, max(r for _, r in peaks.values()), allocated)
     with _real_run(model, batch), _quiet_stderr(), _profiled() as prof:
         _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
-    top, at, phase = _highest(prof)
-    return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at))
+    top, at, phase, tops = _highest(prof)
+    phases = {p: baseline + t for p, t in tops.items()}
+    return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at), None, phases)
 
 
 def _to(value: Any, device: str | torch.device) -> Any:
@@ -367,8 +369,9 @@ def _name(event: object) -> str:
         return ""
 
 
-def _highest(prof: torch.profiler.profile) -> tuple[int, int, Phase]:
-    """(highest running sum of allocations and frees, the time it is reached, its phase)."""
+def _highest(prof: torch.profiler.profile) -> tuple[int, int, Phase, dict[Phase, int]]:
+    """(highest running sum of allocations and frees, the time it is reached, its phase, and the highest
+    running sum inside each phase's range)."""
     from torch._C._profiler import _EventType
 
     events = _events(prof)
@@ -376,12 +379,16 @@ def _highest(prof: torch.profiler.profile) -> tuple[int, int, Phase]:
     ranges = [(e.start_time_ns, e.end_time_ns, Phase(n[len(_PHASE_RANGE) :])) for e, n in named if n.startswith(_PHASE_RANGE)]
     allocations = sorted((e for e in events if e.typed[0] == _EventType.Allocation), key=lambda e: e.start_time_ns)
     running, top, at = 0, 0, 0
+    tops: dict[Phase, int] = {}
     for e in allocations:
         running += e.typed[1].alloc_size
         if running > top:
             top, at = running, e.start_time_ns
+        inside = next((p for start, end, p in ranges if start <= e.start_time_ns <= end), None)
+        if inside is not None and running > tops.get(inside, -1):
+            tops[inside] = running
     phase = next((p for start, end, p in ranges if start <= at <= end), Phase.FORWARD)
-    return top, at, phase
+    return top, at, phase, tops
 
 
 def _categories_at(prof: torch.profiler.profile, at: int) -> dict[str, int]:

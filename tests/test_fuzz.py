@@ -5,11 +5,16 @@ sizes, in total and per fx node.
 The examples are shared out over the grammar's features (one test per feature, each model holding
 that layer or input kind, plus 'free' models), so that even a short run covers every layer.
 
-Profiles (choose with the environment variable FXMEM_FUZZ_PROFILE); counts are totals:
+A second property holds the whole step's peak (AdamW, first and steady step) to ``measure_peak``
+within 1%, in the phase the real run peaked in, on float32 CPU models (``check_peak``). It runs where
+FXMEM_FUZZ_PEAK is set: it does not pass yet (issue 18 is open on it).
 
-- ``fuzz-ci`` (default): 200 examples, derandomized, so every CI run checks the same models;
-- ``fuzz-dev``: 50 random examples, failures saved to the example database and replayed first;
-- ``fuzz-nightly``: 2000 random examples.
+Profiles (choose with the environment variable FXMEM_FUZZ_PROFILE); counts are totals, saved bytes
+then peaks:
+
+- ``fuzz-ci`` (default): 200 and 100 examples, derandomized, so every CI run checks the same models;
+- ``fuzz-dev``: 50 and 25 random examples, failures saved to the example database and replayed first;
+- ``fuzz-nightly``: 2000 and 1000 random examples.
 
 ``pytest tests/test_fuzz.py --fuzz-examples N`` overrides the profile's count. A failure prints
 the shrunk model, step by step; turn it into a test in test_fuzz_regressions.py.
@@ -24,13 +29,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, reject, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fuzz_grammar import FEATURES, FuzzCase, check_case, fuzz_cases
+from fuzz_grammar import FEATURES, FuzzCase, GrammarError, check_case, check_peak, fuzz_cases, peak_checkable
 
-_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example, HealthCheck.filter_too_much]
 settings.register_profile(
     "fuzz-ci",
     max_examples=200,
@@ -41,9 +47,7 @@ settings.register_profile(
     print_blob=True,
 )
 settings.register_profile("fuzz-dev", max_examples=50, deadline=None, suppress_health_check=_QUIET, print_blob=True)
-settings.register_profile(
-    "fuzz-nightly", max_examples=2000, deadline=None, suppress_health_check=_QUIET, print_blob=True
-)
+settings.register_profile("fuzz-nightly", max_examples=2000, deadline=None, suppress_health_check=_QUIET, print_blob=True)
 
 
 def fuzz_settings(examples: int | None) -> settings:
@@ -76,3 +80,43 @@ def test_analyze_matches_measure(feature: str, pytestconfig: pytest.Config) -> N
 
     analyze_matches_measure()
     assert tried, "hypothesis generated no models"
+
+
+PEAK_EXAMPLES = {"fuzz-ci": 100, "fuzz-dev": 25, "fuzz-nightly": 1000}
+"""Peak cases checked per profile (each a real CPU step twice, about 0.4 s)."""
+_CONVOLUTIONS = ("conv", "conv_transpose", "convnext")
+"""Features the peak check holds only on AVX512 CPUs (see ``peak_checkable``)."""
+_OPEN = ("pool", "pad", "interpolate", "sdpa", "mha")
+"""Features whose layers the peak check leaves out (Note [Peaks the fuzzer does not hold yet])."""
+
+
+def _peak_cases() -> st.SearchStrategy[FuzzCase]:
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    features = [f for f in FEATURES if f not in _OPEN and (avx512 or f not in _CONVOLUTIONS)]
+    float32_cpu = lambda f: fuzz_cases(feature=f, dtypes=(torch.float32,), devices=("cpu",))
+    return st.sampled_from(features).flatmap(float32_cpu)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("FXMEM_FUZZ_PEAK"),
+    reason="open (issue 18): a 100-model run still finds peaks off by more than 1% (LSTMs of hidden size 1, "
+    "gated slices, small norms; Note [Peaks the fuzzer does not hold yet] in fuzz_grammar.py); set FXMEM_FUZZ_PEAK=1 to run it",
+)
+def test_step_peak_matches_measure_peak() -> None:
+    profile = os.environ.get("FXMEM_FUZZ_PROFILE", "fuzz-ci")
+    wanted = PEAK_EXAMPLES.get(profile, 100)
+    checked = 0
+
+    @settings(settings.get_profile(profile), max_examples=wanted)
+    @given(case=_peak_cases())
+    def peak_matches(case: FuzzCase) -> None:
+        nonlocal checked
+        assume(peak_checkable(case))
+        try:
+            check_peak(case)
+        except GrammarError:  # nothing to train (a loss that no parameter reaches)
+            reject()
+        checked += 1
+
+    peak_matches()
+    assert checked >= wanted, f"only {checked} of {wanted} models had a step to check"

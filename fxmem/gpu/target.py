@@ -8,6 +8,7 @@ calls it handles are in ``_KERNELS``:
 
 - ``scaled_dot_product_attention`` takes the backend ``select_sdp_backend`` would pick for the torch
   release the job runs (fxmem/rules/sdpa.py, Note [SDPA on the cuda target]);
+- ``linear`` adds its bias in place after a matmul, as real tensors do (fxmem/rules/linear.py);
 - ``dropout`` is the fused ``native_dropout`` with a 1-byte mask (``dropout`` in
   aten/src/ATen/native/Dropout.cpp takes it when ``is_fused_kernel_acceptable``: a CUDA input);
 - ``lstm``, ``gru`` and the plain RNNs run cuDNN's ``_cudnn_rnn`` (fxmem/rules/cudnn_rnn.py);
@@ -57,6 +58,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from fxmem.rules import TorchRelease
 from fxmem.rules.cudnn_rnn import rnn_kernel
+from fxmem.rules.linear import linear_arguments, linear_as_real
 from fxmem.rules.sdpa import Capability, SdpBackend, choose_sdp_backend, run_sdpa
 
 __all__ = ["CudaTargetMode", "SdpBackend", "choose_sdp_backend"]  # the last two re-exported from fxmem.rules.sdpa
@@ -213,6 +215,14 @@ class CudaTargetMode(TorchFunctionMode):
         with self:
             return self._bodies[func](*args, **kwargs)
 
+    def _linear(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """``linear`` after autocast's casts, its bias added in place where real tensors add it so
+        (Note [linear's bias on fake tensors] in fxmem/rules/linear.py)."""
+        args, kwargs = self.autocast("linear", args, kwargs)
+        x, weight, bias = linear_arguments(args, kwargs)
+        out = linear_as_real(x, weight, bias) if isinstance(x, torch.Tensor) and isinstance(bias, torch.Tensor) else None
+        return func(*args, **kwargs) if out is None else out
+
     def _dropout(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """The fused ``native_dropout`` (a bool mask) where CUDA's ``dropout`` takes it, else ``func``."""
         a = _bind(("input", "p", "training", "inplace"), {"p": 0.5, "training": True, "inplace": False}, args, kwargs)
@@ -260,6 +270,7 @@ class CudaTargetMode(TorchFunctionMode):
 _KERNELS: dict[str, Callable[..., Any]] = {
     "scaled_dot_product_attention": CudaTargetMode._sdpa,
     "dropout": CudaTargetMode._dropout,
+    "linear": CudaTargetMode._linear,
     "cross_entropy": CudaTargetMode._cross_entropy,
     "cross_entropy_loss": CudaTargetMode._cross_entropy,
     # nn.LSTM / GRU / RNN's _VF calls: cuDNN's, see Note [cuDNN RNN call on fake tensors] in fxmem/rules/cudnn_rnn.py

@@ -7,6 +7,7 @@ the device whose kernel is modelled. Each returns ``{output index: true nbytes}`
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -125,6 +126,55 @@ def slow_conv_transpose3d_output(args: Sequence[Any], kwargs: Mapping[str, Any],
 def _per_sample(t: Any) -> int:
     """Elements per entry of dim 0 (the convolution's batch), a plain int for any batch size."""
     return math.prod(t.shape[1:])
+
+
+# Note [CPU losses that keep an input-sized storage]
+#     Measured on the CPU (torch 2.13, profiler allocation events, tests/test_loss_storage.py): with
+#     reduction 'mean' or 'sum', aten.mse_loss, aten.smooth_l1_loss and aten.soft_margin_loss make their
+#     result input-shaped, reduce into it and hand it back as a 0-dim tensor; resize_ never shrinks a
+#     storage, so the loss value holds the input's bytes. The user keeps ``loss`` to the step's end, so
+#     those bytes live through backward and the optimizer step, and they grow with the batch. Their meta
+#     kernels return 4 bytes. l1_loss, huber_loss and binary_cross_entropy_with_logits return plain
+#     scalars. Inside the op, mse and smooth_l1 also fill an input-sized elementwise buffer, and a mean
+#     divides by a wrapped count: 8 bytes, plus a copy in the loss's dtype where that is not float64;
+#     16-bit inputs also sum in a float32 copy of the buffer (numel * 4) beside a 4-byte partial.
+#     soft_margin_loss writes in place and holds only the mean's 4-byte partial beside the divisor.
+
+_LOSS_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+_INPUT_SIZED_LOSSES = ("aten.mse_loss", "aten.smooth_l1_loss", "aten.soft_margin_loss")
+
+
+def _loss_reduction(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    return _LOSS_REDUCTIONS[int(_arg(args, kwargs, 2, "reduction", 1))]
+
+
+def loss_value_storage(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> dict[int, object]:
+    """The reduced loss's storage: the input's bytes. See Note [CPU losses that keep an input-sized storage]."""
+    if _loss_reduction(args, kwargs) == "none":
+        return {}
+    inp = args[0]
+    return {0: inp.numel() * inp.element_size()}
+
+
+def loss_reduction_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any, *, buffer: bool) -> object:
+    """What the reduced loss allocates and frees inside the op. See Note [CPU losses that keep an input-sized storage]."""
+    reduction = _loss_reduction(args, kwargs)
+    if reduction == "none":
+        return 0
+    inp = args[0]
+    elementwise = inp.numel() * inp.element_size() if buffer else 0
+    if reduction == "sum":
+        return elementwise if buffer else 4
+    divisor = 8 + (0 if inp.dtype == torch.float64 else inp.element_size())
+    if not buffer:
+        return 4 + divisor
+    if inp.dtype in (torch.float16, torch.bfloat16):
+        return elementwise + max(4 + inp.numel() * 4, divisor)
+    return elementwise + divisor
+
+
+for _loss in _INPUT_SIZED_LOSSES:
+    register_op_rule((_loss, "cpu"))(loss_value_storage)
 
 
 # Kernel workspaces: memory a kernel allocates and frees inside one op, owned by no tensor the op
@@ -303,6 +353,91 @@ def addmm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: An
 # cuDNN's RNNs on the cuda target (fxmem/rules/cudnn_rnn.py): the reserve its meta kernel leaves empty
 # (Note [cuDNN RNN reserve]), the forward's and backward's workspaces (Note [cuDNN RNN workspace],
 # Note [cuDNN RNN backward buffers]).
+# Note [CPU flash attention buffers]
+#     The CPU's fused attention (aten._scaled_dot_product_flash_attention_for_cpu, FlashAttentionKernel.cpp)
+#     works in blocks of qSplit query rows by kvSplit keys: qSplit is 256 from 768 queries, 64 from 192,
+#     else 32, kvSplit is 512 from 512 keys, each capped at the length. Each of at::get_num_threads()
+#     threads gets its own float32 scratch: the forward a qSplit x kvSplit score block, a running max
+#     and sum per row and a qSplit x head_dim output block; the backward a score block and its gradient
+#     (2 x qSplit x kvSplit) and a row sum. All die with the op. Measured with the profiler on torch 2.13
+#     (float32, 1 and 2 threads, 5 to 1000 queries, masks, 511-520 keys; tests/test_workspaces.py):
+#     the forward's is exact on every shape. Where the gradient of the output is not laid out as the
+#     kernel wants it (its (B, S, H, D) order), the backward also copies it; that copy and the backward's
+#     bookkeeping of the gradients' strides are not modelled, so for several heads the backward's line
+#     is a lower bound. Only float32 with a concrete sequence length is covered: reduced precision adds
+#     more buffers, and a symbolic length leaves the block sizes open.
+
+
+def _concrete(*sizes: Any) -> bool:
+    """Whether sizes are plain ints: with a symbolic sequence length the block sizes are not known."""
+    return all(isinstance(n, int) for n in sizes)
+
+
+def _flash_splits(queries: int, keys: int) -> tuple[int, int]:
+    q_split = 256 if queries >= 768 else 64 if queries >= 192 else 32
+    return min(q_split, queries), min(512 if keys >= 512 else keys, keys)
+
+
+def cpu_flash_attention_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The forward's per-thread blocks. See Note [CPU flash attention buffers]."""
+    q, k = args[0], args[1]
+    if q.dtype != torch.float32 or not _concrete(q.shape[-2], k.shape[-2], q.shape[-1]):
+        return 0
+    q_split, kv_split = _flash_splits(int(q.shape[-2]), int(k.shape[-2]))
+    return torch.get_num_threads() * (q_split * kv_split + 2 * q_split + q_split * int(q.shape[-1])) * 4
+
+
+def cpu_flash_attention_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The backward's per-thread blocks. See Note [CPU flash attention buffers]."""
+    q, k = args[1], args[2]
+    if q.dtype != torch.float32 or not _concrete(q.shape[-2], k.shape[-2]):
+        return 0
+    q_split, kv_split = _flash_splits(int(q.shape[-2]), int(k.shape[-2]))
+    return torch.get_num_threads() * (2 * q_split * kv_split + q_split) * 4
+
+
+register_workspace_rule(("aten._scaled_dot_product_flash_attention_for_cpu", "cpu"))(cpu_flash_attention_workspace)
+register_workspace_rule(("aten._scaled_dot_product_flash_attention_for_cpu_backward", "cpu"))(cpu_flash_attention_backward_workspace)
+# Note [CPU layer norm buffers]
+#     The CPU's layer norm (aten/src/ATen/native/layer_norm.cpp and cpu/layer_norm_kernel.cpp) works on
+#     contiguous rows: the forward takes ``input.expect_contiguous()``, so an input that is a permuted
+#     view (ConvNeXt's LayerNorm over channels after ``permute(0, 2, 3, 1)``) is copied whole for the
+#     op's length; the backward does the same to the saved input and to the incoming gradient, and, when
+#     it computes the weight's or the bias's gradient, sums per thread into a float32 buffer of
+#     at::get_num_threads() x 2 x N (N the normalized size). All die with the op. Their meta kernels
+#     allocate none of it. Measured with the profiler on torch 2.13 (1, 2 and 3 threads; permuted and
+#     contiguous inputs; with and without weight, bias and input gradient): tests/test_workspaces.py.
+#     A ConvNeXt block's permuted LayerNorm at B=4, 16 channels, 6x6 peaked 48% above fxmem without it.
+
+
+def _copy_if_strided(t: Any) -> int:
+    """The bytes of ``t.contiguous()``'s copy: 0 where it is contiguous already."""
+    return 0 if t is None or t.is_contiguous() else t.numel() * t.element_size()
+
+
+def cpu_layer_norm_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The input's contiguous copy. See Note [CPU layer norm buffers]."""
+    return _copy_if_strided(args[0])
+
+
+def cpu_layer_norm_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """Contiguous copies of the gradient and the input, and the per-thread weight-gradient sums.
+    See Note [CPU layer norm buffers]."""
+    grad_out, inp, normalized_shape = args[0], args[1], args[2]
+    weight = _arg(args, kwargs, 5, "weight", None)
+    output_mask = _arg(args, kwargs, 7, "output_mask", [True, True, True])
+    sums = 0
+    if weight is not None and (output_mask[1] or output_mask[2]):
+        sums = torch.get_num_threads() * 2 * math.prod(normalized_shape) * 4
+    return _copy_if_strided(grad_out) + _copy_if_strided(inp) + sums
+
+
+register_workspace_rule(("aten.native_layer_norm", "cpu"))(cpu_layer_norm_workspace)
+register_workspace_rule(("aten.native_layer_norm_backward", "cpu"))(cpu_layer_norm_backward_workspace)
+register_workspace_rule(("aten.mse_loss", "cpu"))(functools.partial(loss_reduction_workspace, buffer=True))
+register_workspace_rule(("aten.smooth_l1_loss", "cpu"))(functools.partial(loss_reduction_workspace, buffer=True))
+register_workspace_rule(("aten.soft_margin_loss", "cpu"))(functools.partial(loss_reduction_workspace, buffer=False))
+
 register_op_rule(("aten._cudnn_rnn", "cuda"))(cudnn_rnn_reserve)
 register_workspace_rule(("aten._cudnn_rnn", "cuda"))(cudnn_rnn_workspace)
 register_workspace_rule(("aten._cudnn_rnn_backward", "cuda"))(cudnn_rnn_backward_workspace)

@@ -66,8 +66,11 @@ from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
+from fxmem.rules.linear import in_aten_rnn
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
+
+aten = torch.ops.aten
 
 __all__ = ["WorkspaceRule", "simulate_step", "steady_step"]
 
@@ -141,6 +144,8 @@ class _Tracker(TorchDispatchMode):
     deaths: list[StorageWeakRef] = field(default_factory=list)
     scanned: set[StorageWeakRef] = field(default_factory=set)
     """Live storages no weakref watches: asked ``expired()`` at every poll."""
+    newest: int = -1
+    """The number of the storage an op's output was given last."""
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -162,6 +167,7 @@ class _Tracker(TorchDispatchMode):
             self.deaths = []
         if not dead:
             return
+        dead = [key for key in dead if key in self.live]  # a storage handed on (``_adds_in_place``) is not released
         for key in sorted(dead, key=lambda k: self.live[k].number):
             self.raw.append(_Raw(False, self.live.pop(key), self.phase))
             self.watchers.pop(key, None)
@@ -189,6 +195,8 @@ class _Tracker(TorchDispatchMode):
         rule = self.rules.get(op)
         sizes = rule(args, kwargs, out) if rule is not None else {}
         label = f"{op} (recomputed)" if self.recomputing else op
+        if _rnn_bias_add(func, args) and self._adds_in_place(args[0], out):
+            outs = ()
         for i, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
                 self._allocated(t, sizes.get(i), node, fqn, label)
@@ -208,6 +216,21 @@ class _Tracker(TorchDispatchMode):
                 self._transient(nbytes, node, fqn, f"{label} (workspace)", bound)
         return out
 
+    def _adds_in_place(self, source: torch.Tensor, out: torch.Tensor) -> bool:
+        """Count ``out`` as ``source``'s storage, written in place, when ``source`` is the newest storage
+        (the matmul before the add). See Note [linear's bias on fake tensors] in fxmem/rules/linear.py."""
+        key = StorageWeakRef(source.untyped_storage())
+        entry = self.live.get(key)
+        if entry is None or entry.number != self.newest or source.shape != out.shape:
+            return False
+        self.live.pop(key)
+        self.watchers.pop(key, None)
+        self.scanned.discard(key)
+        new_key = StorageWeakRef(out.untyped_storage())
+        self.live[new_key] = entry
+        self._watch_death(new_key, out.untyped_storage())
+        return True
+
     def made_outside(self, t: torch.Tensor, op: str) -> None:
         """A tensor made without the dispatcher (so no op of this mode saw it), charged as an op's output."""
         self.poll()
@@ -225,6 +248,7 @@ class _Tracker(TorchDispatchMode):
             return
         size = t.untyped_storage().nbytes() if nbytes is None else nbytes
         storage = _Storage(len(self.raw), size, node, fqn, op)
+        self.newest = storage.number
         self.live[key] = storage
         self._watch_death(key, t.untyped_storage())
         self.raw.append(_Raw(True, storage, self.phase))
@@ -249,6 +273,14 @@ class _Tracker(TorchDispatchMode):
                     if name is not None:
                         return name, _module_of(name)
         return self.node, self.fqn
+
+
+def _rnn_bias_add(func: Any, args: Any) -> bool:
+    """An ``add`` of a 1-D bias inside ATen's C++ RNN: ``at::linear``'s, in place on real tensors."""
+    if func is not aten.add.Tensor or not in_aten_rnn() or len(args) < 2:
+        return False
+    x, bias = args[0], args[1]
+    return isinstance(x, torch.Tensor) and isinstance(bias, torch.Tensor) and bias.dim() == 1 and x.dim() >= 2
 
 
 @functools.cache

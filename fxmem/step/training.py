@@ -8,7 +8,6 @@ the target's allocator (``fxmem/gpu/allocator.py``) where the target is CUDA.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ import torch
 
 from fxmem.errors import InputSpecError
 from fxmem.rules import TorchRelease, torch_release
+from fxmem.rules.linear import LinearAsReal
 from fxmem.rules.optimizers import IMPLS
 from fxmem.step.sharding import STAGES as SHARDS
 from fxmem.step.sharding import check_plan
@@ -128,7 +128,8 @@ class TrainingSetup:
 
     def kernels(self) -> Callable[[], AbstractContextManager[object]]:
         """A factory of the context the forward and the loss run in: the cuda target's kernel choices and
-        autocast policy (fxmem/gpu/target.py), CPU autocast for a cpu target with ``amp``, else nothing."""
+        autocast policy (fxmem/gpu/target.py), CPU autocast for a cpu target with ``amp``, else ``linear``
+        as real tensors run it (Note [linear's bias on fake tensors] in fxmem/rules/linear.py)."""
         amp = self.amp_dtype
         if self.cuda:
             from fxmem.gpu.target import CudaTargetMode
@@ -137,7 +138,7 @@ class TrainingSetup:
             return lambda: CudaTargetMode(compute_capability=capability, amp=amp, release=release)
         if amp is not None:
             return lambda: torch.autocast("cpu", dtype=amp)
-        return contextlib.nullcontext
+        return LinearAsReal
 
     def describe(self) -> str:
         """One line for the report's header."""
