@@ -396,3 +396,25 @@ def test_permuted_layer_norm_step_peak(first_step: bool) -> None:
     measured = fxmem.measure_peak(model, inputs, 4, loss="sum", optimizer="adamw", first_step=first_step)
     assert predicted.phase == measured.phase
     assert abs(predicted.bytes - measured.bytes) <= 64, (predicted.bytes, measured.bytes)  # the CPU's scalar crumbs
+
+
+_GRADIENTS = {
+    "contiguous": lambda: torch.ones(3, 2, 3),
+    "expanded": lambda: torch.ones(()).expand(3, 2, 3),  # a sum's gradient
+    "broadcast": lambda: torch.ones(3, 1, 3).expand(3, 2, 3),
+    "transposed": lambda: torch.ones(3, 3, 2).transpose(1, 2),
+}
+_INPUTS = {"contiguous": lambda: torch.randn(3, 2, 3), "transposed": lambda: torch.randn(3, 3, 2).transpose(1, 2)}
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("grad", list(_GRADIENTS))
+@pytest.mark.parametrize("inp", list(_INPUTS))
+def test_cpu_gelu_backward_scratch(approximate: str, grad: str, inp: str) -> None:
+    from fxmem.rules.ops import cpu_gelu_backward_workspace
+
+    g, x = _GRADIENTS[grad](), _INPUTS[inp]()
+    out = torch.ops.aten.gelu_backward(g, x, approximate=approximate)
+    measured = _scratch_of("aten::gelu_backward", lambda: torch.ops.aten.gelu_backward(g, x, approximate=approximate))
+    assert cpu_gelu_backward_workspace((g, x), {"approximate": approximate}, out) == measured

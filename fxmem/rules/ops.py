@@ -434,6 +434,27 @@ def cpu_layer_norm_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, 
 
 register_workspace_rule(("aten.native_layer_norm", "cpu"))(cpu_layer_norm_workspace)
 register_workspace_rule(("aten.native_layer_norm_backward", "cpu"))(cpu_layer_norm_backward_workspace)
+# Note [CPU exact GELU backward]
+#     The CPU's gelu_backward with approximate='none' hands a contiguous float32 input to oneDNN's
+#     eltwise backward (gelu_backward_out_cpu in aten/src/ATen/native/Activation.cpp, ``use_mkldnn``),
+#     which needs dense operands: a gradient that is not contiguous (the expanded gradient of a sum, a
+#     transposed one) is copied first, and a gradient input laid out like a non-contiguous gradient is
+#     computed into a dense temporary and copied back. Both die with the op. Measured with the profiler
+#     on torch 2.13 over contiguous, expanded, broadcast and transposed gradients and inputs, both
+#     approximations (tests/test_workspaces.py); the tanh approximation and non-contiguous inputs take
+#     the TensorIterator kernel, which needs neither.
+
+
+def cpu_gelu_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """oneDNN's dense copies. See Note [CPU exact GELU backward]."""
+    grad, inp = args[0], args[1]
+    approximate = _arg(args, kwargs, 2, "approximate", "none")
+    if approximate != "none" or inp.dtype != torch.float32 or not inp.is_contiguous() or not torch.backends.mkldnn.is_available():
+        return 0
+    return _copy_if_strided(grad) + _copy_if_strided(out)
+
+
+register_workspace_rule(("aten.gelu_backward", "cpu"))(cpu_gelu_backward_workspace)
 register_workspace_rule(("aten.mse_loss", "cpu"))(functools.partial(loss_reduction_workspace, buffer=True))
 register_workspace_rule(("aten.smooth_l1_loss", "cpu"))(functools.partial(loss_reduction_workspace, buffer=True))
 register_workspace_rule(("aten.soft_margin_loss", "cpu"))(functools.partial(loss_reduction_workspace, buffer=False))
