@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+import torch.utils._python_dispatch
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
@@ -418,3 +420,80 @@ def test_cpu_gelu_backward_scratch(approximate: str, grad: str, inp: str) -> Non
     out = torch.ops.aten.gelu_backward(g, x, approximate=approximate)
     measured = _scratch_of("aten::gelu_backward", lambda: torch.ops.aten.gelu_backward(g, x, approximate=approximate))
     assert cpu_gelu_backward_workspace((g, x), {"approximate": approximate}, out) == measured
+
+
+def _layouts(shape: tuple[int, ...]) -> dict[str, Callable[[], torch.Tensor]]:
+    """Dense (contiguous, channels last) and non-dense (transposed, expanded) tensors of one shape."""
+    to_last = (0, *range(2, len(shape)), 1)
+    from_last = (0, len(shape) - 1, *range(1, len(shape) - 1))
+    swapped = (*shape[:-2], shape[-1], shape[-2])
+    return {
+        "contiguous": lambda: torch.randn(shape),
+        "channels_last": lambda: torch.randn([shape[i] for i in to_last]).permute(from_last),
+        "transposed": lambda: torch.randn(swapped).transpose(-1, -2),
+        "expanded": lambda: torch.ones(()).expand(shape),
+    }
+
+
+_A = torch.ops.aten
+
+
+def _max_pool_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    forward = _A.max_pool2d_with_indices if x.dim() == 4 else _A.max_pool3d_with_indices
+    backward = _A.max_pool2d_with_indices_backward if x.dim() == 4 else _A.max_pool3d_with_indices_backward
+    k, zero, one = [2] * (x.dim() - 2), [0] * (x.dim() - 2), [1] * (x.dim() - 2)
+    return backward(grad, x, k, k, zero, one, False, forward(x.contiguous(), k, k)[1])
+
+
+def _pad(x: torch.Tensor) -> list[int]:
+    return [1] * (2 * (x.dim() - 2))
+
+
+# (forward, backward, op name): each backward takes (grad, x) as its first two arguments.
+_POOLING = {
+    "max_pool": (lambda x: _A.max_pool2d_with_indices(x, [2, 2], [2, 2])[0] if x.dim() == 4 else _A.max_pool3d_with_indices(x, [2] * 3, [2] * 3)[0], _max_pool_backward, "max_pool{n}d_with_indices_backward"),
+    "avg_pool": (lambda x: F.avg_pool2d(x, 2) if x.dim() == 4 else F.avg_pool3d(x, 2), lambda g, x: (_A.avg_pool2d_backward if x.dim() == 4 else _A.avg_pool3d_backward)(g, x, [2] * (x.dim() - 2), [2] * (x.dim() - 2), [0] * (x.dim() - 2), False, True, None), "avg_pool{n}d_backward"),
+    "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 3) if x.dim() == 4 else F.adaptive_avg_pool3d(x, 3), lambda g, x: (_A._adaptive_avg_pool2d_backward if x.dim() == 4 else _A._adaptive_avg_pool3d_backward)(g, x), "_adaptive_avg_pool{n}d_backward"),
+    "reflection_pad": (lambda x: F.pad(x, _pad(x), mode="reflect"), lambda g, x: (_A.reflection_pad2d_backward if x.dim() == 4 else _A.reflection_pad3d_backward)(g, x, _pad(x)), "reflection_pad{n}d_backward"),
+    "replication_pad": (lambda x: F.pad(x, _pad(x), mode="replicate"), lambda g, x: (_A.replication_pad2d_backward if x.dim() == 4 else _A.replication_pad3d_backward)(g, x, _pad(x)), "replication_pad{n}d_backward"),
+    "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2), lambda g, x: (_A.upsample_nearest2d_backward if x.dim() == 4 else _A.upsample_nearest3d_backward)(g, list(g.shape[2:]), list(x.shape)), "upsample_nearest{n}d_backward"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 6, 8), (2, 3, 4, 6, 4)], ids=["2d", "3d"])
+@pytest.mark.parametrize("kind", list(_POOLING))
+def test_cpu_pooling_backward_scratch(kind: str, shape: tuple[int, ...]) -> None:
+    """Every input and gradient layout: the rule's scratch equals the profiler's, op by op."""
+    from fxmem.rules.ops import WORKSPACE_RULES
+
+    forward, backward, name = _POOLING[kind]
+    name = name.format(n=len(shape) - 2)
+    rule = WORKSPACE_RULES.rules()[(f"aten.{name}", "cpu")]
+    wrong = []
+    for x_layout, make_x in _layouts(shape).items():
+        if x_layout == "expanded":
+            continue
+        x = make_x()
+        for g_layout, make_g in _layouts(tuple(forward(x).shape)).items():
+            g = make_g()
+            calls: list[tuple[Any, ...]] = []
+            with _Calls(name, calls):
+                out = backward(g, x)
+            args, kwargs = calls[0]
+            measured = _scratch_of(f"aten::{name}", lambda g=g, x=x: backward(g, x))
+            if rule(args, kwargs, out) != measured:
+                wrong.append((x_layout, g_layout, rule(args, kwargs, out), measured))
+    assert not wrong, wrong
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (args, kwargs) of every call of the aten op ``name``."""
+
+    def __init__(self, name: str, calls: list[tuple[Any, ...]]) -> None:
+        super().__init__()
+        self.name, self.calls = name, calls
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ == self.name:
+            self.calls.append((args, kwargs or {}))
+        return func(*args, **(kwargs or {}))

@@ -31,10 +31,32 @@ def _constant_pad_nd(x: torch.Tensor, pad: Sequence[Any], value: float = 0.0) ->
     return torch._refs.constant_pad_nd(x, list(pad), value)
 
 
-_SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {torch.ops.aten.constant_pad_nd.default: _constant_pad_nd}
-"""Ops whose fake kernel reads concrete sizes, so that it would fix B to its hint (HF pads labels with
-constant_pad_nd), computed instead by torch's own SymInt-safe Python reference. Both allocate one
-output of the padded size, so what autograd saves is unchanged."""
+# Note [Loss gradients in the legacy layout]
+#     The CPU and CUDA kernels of mse_loss_backward, smooth_l1_loss_backward and huber_loss_backward
+#     allocate the input's gradient contiguous (at::zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)
+#     in aten/src/ATen/native/Loss.cpp); their fake kernels keep the input's strides. The bytes are the
+#     same, but what runs after depends on the layout: a model whose output is a permuted view (a
+#     channels-last LayerNorm permuted back) hands the norm's backward a gradient that the real step
+#     must copy to contiguous rows and the fake one need not (Note [CPU layer norm buffers]). Measured
+#     on torch 2.13's CPU: a permuted input's gradient is contiguous in eager and permuted on fake
+#     tensors (tests/test_dispatch.py). These are computed as one contiguous tensor of the input's
+#     shape and dtype instead; the values are fake, only the layout matters.
+
+
+def _legacy_contiguous_gradient(grad: Any, inp: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch.empty(inp.shape, dtype=inp.dtype, device=inp.device)
+
+
+_SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.constant_pad_nd.default: _constant_pad_nd,
+    torch.ops.aten.mse_loss_backward.default: _legacy_contiguous_gradient,
+    torch.ops.aten.smooth_l1_loss_backward.default: _legacy_contiguous_gradient,
+    torch.ops.aten.huber_loss_backward.default: _legacy_contiguous_gradient,
+}
+"""Ops computed otherwise than by their fake kernel: constant_pad_nd, whose fake kernel reads concrete
+sizes, so that it would fix B to its hint (HF pads labels with it), by torch's own SymInt-safe Python
+reference (both allocate one output of the padded size, so what autograd saves is unchanged); the loss
+gradients of Note [Loss gradients in the legacy layout] in the layout their real kernels give."""
 
 
 # Note [Operand dtypes]
