@@ -422,7 +422,7 @@ def test_cpu_gelu_backward_scratch(approximate: str, grad: str, inp: str) -> Non
     assert cpu_gelu_backward_workspace((g, x), {"approximate": approximate}, out) == measured
 
 
-def _layouts(shape: tuple[int, ...]) -> dict[str, Callable[[], torch.Tensor]]:
+def _dense_layouts(shape: tuple[int, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     """Dense (contiguous, channels last) and non-dense (transposed, expanded) tensors of one shape."""
     to_last = (0, *range(2, len(shape)), 1)
     from_last = (0, len(shape) - 1, *range(1, len(shape) - 1))
@@ -470,11 +470,11 @@ def test_cpu_pooling_backward_scratch(kind: str, shape: tuple[int, ...]) -> None
     name = name.format(n=len(shape) - 2)
     rule = WORKSPACE_RULES.rules()[(f"aten.{name}", "cpu")]
     wrong = []
-    for x_layout, make_x in _layouts(shape).items():
+    for x_layout, make_x in _dense_layouts(shape).items():
         if x_layout == "expanded":
             continue
         x = make_x()
-        for g_layout, make_g in _layouts(tuple(forward(x).shape)).items():
+        for g_layout, make_g in _dense_layouts(tuple(forward(x).shape)).items():
             g = make_g()
             calls: list[tuple[Any, ...]] = []
             with _Calls(name, calls):
