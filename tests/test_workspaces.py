@@ -497,3 +497,53 @@ class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
         if func.overloadpacket.__name__ == self.name:
             self.calls.append((args, kwargs or {}))
         return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("per_sample_weights", [False, True])
+@pytest.mark.parametrize(("count", "bags"), [(27, 3), (100, 10), (7, 7)])
+def test_cpu_embedding_bag_backward_scratch(mode: str, padding_idx: int | None, per_sample_weights: bool, count: int, bags: int) -> None:
+    """Note [CPU embedding_bag backward scratch]: the rule against the profiler, configuration by configuration."""
+    from fxmem.rules.ops import cpu_embedding_bag_backward_workspace
+
+    if per_sample_weights and mode != "sum":
+        pytest.skip("per-sample weights need mode='sum'")
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(12, 7, mode=mode, padding_idx=padding_idx)
+    indices = torch.randint(0, 12, (bags, count // bags))
+    out = bag(indices, per_sample_weights=torch.rand(indices.shape) if per_sample_weights else None)
+    grad = torch.ones_like(out)
+    calls: list[tuple[Any, ...]] = []
+    with _Calls("_embedding_bag_backward", calls):
+        out.backward(grad, retain_graph=True)
+    measured = _scratch_of("aten::_embedding_bag_backward", lambda: out.backward(grad, retain_graph=True))
+    args, kwargs = calls[0]
+    assert cpu_embedding_bag_backward_workspace(args, kwargs, None) == measured
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.parametrize("hidden", [1, 2, 3, 4, 8, 32])
+@pytest.mark.parametrize(("seq", "batch", "inputs"), [(1, 3, 1), (5, 2, 3), (3, 4, 8)])
+def test_lstm_backward_scratch_at_small_hidden_sizes(hidden: int, seq: int, batch: int, inputs: int) -> None:
+    """Note [CPU oneDNN LSTM backward buffers], its last paragraph: the profiler's scratch of one
+    backward call. Exact but where the gates (4H) are fewer than one 64-byte line; there the rule is
+    at most 96 bytes over (seen at H = 1 to 3), from buffers oneDNN frees before the last is made."""
+    from fxmem.rules.ops import mkldnn_rnn_layer_backward_workspace
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        lstm = nn.LSTM(inputs, hidden, batch_first=True)
+        out = lstm(torch.randn(batch, seq, inputs, requires_grad=True))[0]
+        grad = torch.ones_like(out)
+        calls: list[tuple[Any, ...]] = []
+        with _Calls("mkldnn_rnn_layer_backward", calls):
+            out.backward(grad, retain_graph=True)
+        measured = _scratch_of("aten::mkldnn_rnn_layer_backward", lambda: out.backward(grad, retain_graph=True))
+        args, kwargs = calls[0]
+        predicted = mkldnn_rnn_layer_backward_workspace(args, kwargs, None)
+    finally:
+        torch.set_num_threads(before)
+    assert predicted == measured or (4 * hidden < 16 and 0 < predicted - measured <= 96), (predicted, measured)
