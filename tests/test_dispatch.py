@@ -51,3 +51,44 @@ def test_permuted_output_step_peak(first_step: bool) -> None:
     measured = fxmem.measure_peak(model, inputs, 4, loss="mse", optimizer="adamw", first_step=first_step)
     assert predicted.phase == measured.phase
     assert abs(predicted.bytes - measured.bytes) <= 64, (predicted.bytes, measured.bytes)  # the CPU's scalar crumbs
+
+
+@pytest.mark.parametrize(
+    "pad",
+    [(1, 2), (0, 2, 0, 1, 1, 0), (-1, 1), (1, -2, -1, 0), (2, 2, 2, 2, 1, 1)],
+)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_constant_pad_matches_aten(pad: tuple[int, ...], channels_last: bool) -> None:
+    """The rewrite computes what ATen's kernel computes, values and layout, negative pads (crops) included."""
+    from fxmem.engine.dispatch import _constant_pad_nd
+
+    x = torch.randn(2, 3, 4, 5)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    expected = torch.constant_pad_nd(x, pad, 0.5)
+    got = _constant_pad_nd(x, pad, 0.5)
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    torch.testing.assert_close(got, expected)
+
+
+class PaddedTail(nn.Module):
+    """The peak fuzzer's model: a channels-last LayerNorm, tanh and a constant pad. The pad's backward
+    (a constant pad with negative pads) held a second padded tensor on fake tensors: 5.3% high."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x.view(x.size(0), 4, 7, 1, 3).permute(0, 2, 3, 4, 1)).permute(0, 4, 1, 2, 3)
+        return torch.nn.functional.pad(y.tanh(), (0, 2, 0, 1, 1, 0))
+
+
+@pytest.mark.parametrize("first_step", [False, True])
+def test_padded_tail_step_peak(first_step: bool) -> None:
+    model, inputs = PaddedTail(), ["B,4,7,3"]
+    report = fxmem.analyze(model, inputs, loss="mse", optimizer="adamw", target="cpu")
+    predicted = report.peak(4, first_step=first_step)
+    measured = fxmem.measure_peak(model, inputs, 4, loss="mse", optimizer="adamw", first_step=first_step)
+    assert predicted.phase == measured.phase
+    assert abs(predicted.bytes - measured.bytes) <= 64, (predicted.bytes, measured.bytes)  # the CPU's scalar crumbs
