@@ -51,6 +51,8 @@ def signature(e: BaseException) -> str:
     return f"{'grammar' if isinstance(e, GrammarError) else 'crash'}: {type(e).__name__}: {first}"
 
 
+VERBOSE = {"on": False}
+"""With --verbose, each failure's model and message are printed as it is found."""
 CHECK = {"check": check_case}
 """What each example is held to: its saved bytes (default), or with --peak its step's peak as well."""
 
@@ -91,6 +93,8 @@ def explore(examples: int, seed_value: int) -> tuple[int, list[Failure]]:
             detail = "".join(traceback.format_exception_only(type(e), e)).strip()
             failures.append(Failure(signature(e), tried, repr(case), detail[:2000]))
             print(f"  [{tried}] {failures[-1].signature}", flush=True)
+            if VERBOSE["on"]:
+                print(f"{failures[-1].case}\n  {failures[-1].error}", flush=True)
         elif tried % 100 == 0:
             print(f"  {tried} examples, {len(failures)} failures", flush=True)
 
@@ -131,10 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=2000, help="random models to check (default 2000)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed, for a reproducible run (default 0)")
     parser.add_argument("--no-shrink", action="store_true", help="report failures as found, without shrinking")
+    parser.add_argument("--verbose", action="store_true", help="print each failure's model and message as it is found")
     parser.add_argument("--peak", action="store_true", help="also check the step's peak against measure_peak (float32 CPU models; within 1%%)")
     args = parser.parse_args(argv)
     if args.peak:
         CHECK["check"] = _bytes_and_peak
+    VERBOSE["on"] = args.verbose
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
 

@@ -1420,12 +1420,12 @@ PEAK_SLACK = 64
 #       re-strided after it;
 #     - adaptive max pooling, whose kernels were not measured.
 #     Convolutions are left out on CPUs without AVX512, whose oneDNN kernels the convolution rules do
-#     not describe. Within what is left, two families still fail: Python locals (a value bound to a
-#     name lives until the function returns, as ``x = x + y`` in Net2.forward or ``y`` in
-#     Residual.forward, where the fx graph frees it at its last use: forward peaks low by one tensor),
-#     and oneDNN LSTM backward scratch at hidden sizes below 4 (high by up to 1.5 KB; exact from 4, see
-#     tests/test_workspaces.py). So the peak property is not yet part of CI (tests/test_fuzz.py runs it
-#     where FXMEM_FUZZ_PEAK is set).
+#     not describe. Within what is left, one family is known to fail and none of the rules can mend it:
+#     Python locals. A value bound to a name lives until the function returns (``x = x + y`` in
+#     Net2.forward, ``y`` in Residual.forward), where the fx graph frees it at its last use, so a
+#     forward peak can be low by one tensor. Also open: a frozen oneDNN LSTM (inference, B=1) whose
+#     forward reorders its weights in scratch no rule describes yet. CI holds 100 derandomized models
+#     to the peak (tests/test_fuzz.py); ``python benchmarks/fuzz.py --examples 1000 --peak`` runs more.
 
 _OPEN_MODULES = (nn.modules.pooling._AdaptiveMaxPoolNd, nn.MultiheadAttention)
 
