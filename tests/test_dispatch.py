@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import fxmem
 from fxmem.engine.dispatch import OpRuleMode
+from tests.helpers import assert_step_peak
 
 _A = torch.ops.aten
 _LOSS_GRADIENTS = {
@@ -46,11 +46,7 @@ class PermutedOutput(nn.Module):
 def test_permuted_output_step_peak(first_step: bool) -> None:
     """Found by the peak fuzzer: 13% low (one gradient copy, 1,728 bytes at B=4) before the rewrite."""
     model, inputs = PermutedOutput(), ["B,6,2,3,3"]
-    report = fxmem.analyze(model, inputs, loss="mse", optimizer="adamw", target="cpu")
-    predicted = report.peak(4, first_step=first_step)
-    measured = fxmem.measure_peak(model, inputs, 4, loss="mse", optimizer="adamw", first_step=first_step)
-    assert predicted.phase == measured.phase
-    assert abs(predicted.bytes - measured.bytes) <= 64, (predicted.bytes, measured.bytes)  # the CPU's scalar crumbs
+    assert_step_peak(model, inputs, 4, loss="mse", first_step=first_step)
 
 
 @pytest.mark.parametrize(
@@ -87,8 +83,4 @@ class PaddedTail(nn.Module):
 @pytest.mark.parametrize("first_step", [False, True])
 def test_padded_tail_step_peak(first_step: bool) -> None:
     model, inputs = PaddedTail(), ["B,4,7,3"]
-    report = fxmem.analyze(model, inputs, loss="mse", optimizer="adamw", target="cpu")
-    predicted = report.peak(4, first_step=first_step)
-    measured = fxmem.measure_peak(model, inputs, 4, loss="mse", optimizer="adamw", first_step=first_step)
-    assert predicted.phase == measured.phase
-    assert abs(predicted.bytes - measured.bytes) <= 64, (predicted.bytes, measured.bytes)  # the CPU's scalar crumbs
+    assert_step_peak(model, inputs, 4, loss="mse", first_step=first_step)

@@ -8,13 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fxmem
 from fxmem.rules.ops import loss_reduction_workspace, loss_value_storage
-
-# Peaks differ from a real step by the CPU's scalar crumbs (8-byte wrapped Python numbers and their
-# 4-byte float copies, alive for one op each), which fxmem does not model: Note [Scalar crumbs on the
-# CPU] in tests/fuzz_grammar.py. 64 bytes is a few of them; the losses' own error was B-sized.
-CRUMBS = 64
+from tests.helpers import assert_step_peak
 
 _REDUCED = {"mean": 1, "sum": 2}
 
@@ -70,9 +65,4 @@ class SmoothL1Inside(nn.Module):
 def test_step_peak_with_an_input_sized_loss(make: object, loss: str, first_step: bool) -> None:
     """Without the rule the prediction was 64 * 512 * 4 = 131,072 bytes low at B=64 (3.4% of the step):
     the loss value lives through backward and the optimizer step, where this step peaks."""
-    model, batch = make(), 64  # type: ignore[operator]
-    report = fxmem.analyze(model, ["B,64"], loss=loss, optimizer="adamw", target="cpu")
-    predicted = report.peak(batch, first_step=first_step)
-    measured = fxmem.measure_peak(model, ["B,64"], batch, loss=loss, optimizer="adamw", first_step=first_step)
-    assert predicted.phase == measured.phase
-    assert abs(predicted.bytes - measured.bytes) <= CRUMBS, (predicted.bytes, measured.bytes)
+    assert_step_peak(make(), ["B,64"], 64, loss=loss, first_step=first_step)  # type: ignore[operator]

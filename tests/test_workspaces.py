@@ -30,6 +30,7 @@ from fxmem.rules.ops import (
     mkldnn_rnn_layer_backward_workspace,
     mm_operand_copies,
 )
+from tests.helpers import assert_step_peak
 
 AVX512 = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 onednn_avx512 = pytest.mark.skipif(not AVX512, reason="the oneDNN rules describe AVX512 kernels")
@@ -392,12 +393,7 @@ class _PermutedNorm(nn.Module):
 def test_permuted_layer_norm_step_peak(first_step: bool) -> None:
     """Its backward copies the gradient and the saved input to contiguous rows (9,216 bytes each at
     B=4, 16 channels, 6x6) beside per-thread weight sums: without the rule the peak was 48% low."""
-    model, inputs = _PermutedNorm(16), ["B,16,6,6"]
-    report = fxmem.analyze(model, inputs, loss="sum", optimizer="adamw", target="cpu")
-    predicted = report.peak(4, first_step=first_step)
-    measured = fxmem.measure_peak(model, inputs, 4, loss="sum", optimizer="adamw", first_step=first_step)
-    assert predicted.phase == measured.phase
-    assert abs(predicted.bytes - measured.bytes) <= 64, (predicted.bytes, measured.bytes)  # the CPU's scalar crumbs
+    assert_step_peak(_PermutedNorm(16), ["B,16,6,6"], 4, loss="sum", first_step=first_step)
 
 
 _GRADIENTS = {
@@ -486,6 +482,16 @@ def test_cpu_pooling_backward_scratch(kind: str, shape: tuple[int, ...]) -> None
     assert not wrong, wrong
 
 
+def _backward_call(name: str, out: torch.Tensor) -> tuple[tuple[Any, ...], int]:
+    """The (args, kwargs) of the aten op ``name`` in ``out``'s backward (ones as its gradient), and the
+    profiler's scratch of that op in a second backward of the same graph."""
+    grad = torch.ones_like(out)
+    calls: list[tuple[Any, ...]] = []
+    with _Calls(name, calls):
+        out.backward(grad, retain_graph=True)
+    return calls[0], _scratch_of(f"aten::{name}", lambda: out.backward(grad, retain_graph=True))
+
+
 class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
     """Records (args, kwargs) of every call of the aten op ``name``."""
 
@@ -513,12 +519,7 @@ def test_cpu_embedding_bag_backward_scratch(mode: str, padding_idx: int | None, 
     bag = nn.EmbeddingBag(12, 7, mode=mode, padding_idx=padding_idx)
     indices = torch.randint(0, 12, (bags, count // bags))
     out = bag(indices, per_sample_weights=torch.rand(indices.shape) if per_sample_weights else None)
-    grad = torch.ones_like(out)
-    calls: list[tuple[Any, ...]] = []
-    with _Calls("_embedding_bag_backward", calls):
-        out.backward(grad, retain_graph=True)
-    measured = _scratch_of("aten::_embedding_bag_backward", lambda: out.backward(grad, retain_graph=True))
-    args, kwargs = calls[0]
+    (args, kwargs), measured = _backward_call("_embedding_bag_backward", out)
     assert cpu_embedding_bag_backward_workspace(args, kwargs, None) == measured
 
 
@@ -537,12 +538,7 @@ def test_lstm_backward_scratch_at_small_hidden_sizes(hidden: int, seq: int, batc
         torch.manual_seed(0)
         lstm = nn.LSTM(inputs, hidden, batch_first=True)
         out = lstm(torch.randn(batch, seq, inputs, requires_grad=True))[0]
-        grad = torch.ones_like(out)
-        calls: list[tuple[Any, ...]] = []
-        with _Calls("mkldnn_rnn_layer_backward", calls):
-            out.backward(grad, retain_graph=True)
-        measured = _scratch_of("aten::mkldnn_rnn_layer_backward", lambda: out.backward(grad, retain_graph=True))
-        args, kwargs = calls[0]
+        (args, kwargs), measured = _backward_call("mkldnn_rnn_layer_backward", out)
         predicted = mkldnn_rnn_layer_backward_workspace(args, kwargs, None)
     finally:
         torch.set_num_threads(before)
@@ -562,8 +558,4 @@ def test_batch_norm_backward_without_input_gradient(batch: int, first_step: bool
     real = _A.native_batch_norm_backward(*args)
     assert real[0] is None  # the real kernel made no input gradient
     assert batch_norm_backward_outputs(args, {}, real) == {0: 0}
-    model, inputs = nn.Sequential(nn.BatchNorm2d(2)), ["B,2,8,9"]
-    report = fxmem.analyze(model, inputs, loss="sum", optimizer="adamw", target="cpu")
-    predicted = report.peak(batch, first_step=first_step)
-    measured = measure_peak(model, inputs, batch, loss="sum", optimizer="adamw", first_step=first_step)
-    assert abs(predicted.bytes - measured.bytes) <= 64, (predicted.bytes, measured.bytes)  # the CPU's scalar crumbs
+    assert_step_peak(nn.Sequential(nn.BatchNorm2d(2)), ["B,2,8,9"], batch, loss="sum", first_step=first_step, phase="any")
