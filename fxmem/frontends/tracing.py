@@ -20,6 +20,7 @@ from fxmem.errors import InputSpecError, TraceError
 from fxmem.frontends.checkpointing import attach_regions, recording_checkpoints
 from fxmem.frontends.exporting import export_model, export_reason
 from fxmem.frontends.huggingface import prepared_for_training
+from fxmem.frontends.python_scopes import LocalsRecorder
 from fxmem.inputs import InputSpec
 
 __all__ = ["FRONTENDS", "Traced", "trace_model"]
@@ -43,6 +44,12 @@ class _Tracer(fx.Tracer):
         self.record_stack_traces = True
         self.leaf_types = tuple(leaf_types)
         self.inside: list[str] = []
+        self.scopes = LocalsRecorder()
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        self.scopes.observe(node)  # See Note [Python locals keep values alive]
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)

@@ -64,6 +64,7 @@ from fxmem.engine.recompute import SIGNALS as CHECKPOINT_SIGNALS
 from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
+from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.linear import in_aten_rnn
@@ -330,6 +331,7 @@ class _Forward(RegionInterpreter):
         self.tracker = tracker
         self.fake = fake
         self.kernels = kernels
+        _hold_python_locals(self)
 
     @contextlib.contextmanager
     def recompute_context(self) -> Iterator[None]:
@@ -357,6 +359,18 @@ class _Forward(RegionInterpreter):
             raise node_error(n, self.env, symbols, self.model_label, e) from e
         _label_autograd(out, (n.name, node_fqn(n)))
         return out
+
+
+def _hold_python_locals(interpreter: fx.Interpreter) -> None:
+    """Drop each value after the last node a Python name held it through, where that is later than
+    its last use (Note [Python locals keep values alive] in fxmem/frontends/python_scopes.py)."""
+    held = held_through(interpreter.graph)
+    if not held:
+        return
+    for user, values in interpreter.user_to_last_uses.items():
+        interpreter.user_to_last_uses[user] = [v for v in values if v not in held]
+    for value, until in held.items():
+        interpreter.user_to_last_uses.setdefault(until, []).append(value)
 
 
 def _metadata(fn: Any) -> dict[str, Any]:
