@@ -19,6 +19,7 @@ triggered (the B=1 step, say) is billed to that pass. Model construction is time
     python benchmarks/scale.py                            # both cases, then the block for gpt-7b
     python benchmarks/scale.py gpt-7b                     # one
     python benchmarks/scale.py --default-vs-memtracker    # only the default-analyze vs MemTracker block
+    python benchmarks/scale.py --by-depth                 # only the default analyze at 8, 32 and 80 layers
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ CASES = {
 }
 BATCH = 8
 VERSUS = "--default-vs-memtracker"
+BY_DEPTH = "--by-depth"
+DEPTHS = (8, 32, 80)
+"""Layer counts of the depth rows: gpt-7b's width (4096, 32 heads) at each."""
 RENDERING = "rendering the report"
 BEFORE_FIRST = "checking arguments (before the first stage)"
 
@@ -46,7 +50,10 @@ def _build(name: str):  # type: ignore[no-untyped-def]
 
     from models_zoo.gpt2_small import GPT
 
-    layers, dim, heads, vocab, ctx = CASES[name]
+    if name.startswith("depth-"):  # gpt-7b's width at another depth
+        layers, (_, dim, heads, vocab, ctx) = int(name.removeprefix("depth-")), CASES["gpt-7b"]
+    else:
+        layers, dim, heads, vocab, ctx = CASES[name]
     with torch.device("meta"):
         return GPT(vocab, ctx, dim, layers, heads, dropout=0.0, tied=False), [f"B,{ctx}:int64"]
 
@@ -104,7 +111,8 @@ def _default_analyze(model: Any, inputs: list[str], name: str) -> dict[str, Any]
     say(RENDERING)
     text = render(report, "table")
     end = time.perf_counter()
-    return {"wall_s": end - marks[0][1], "stages": _stages(marks, end), "report_chars": len(text)}
+    path = {"saved tensors": report.accounting.path, "step": report.steps.path}
+    return {"wall_s": end - marks[0][1], "stages": _stages(marks, end), "report_chars": len(text), "path": path}
 
 
 def _stages(marks: list[tuple[str, float]], end: float) -> list[tuple[str, float]]:
@@ -240,9 +248,22 @@ def _default_vs_memtracker() -> None:
         f"{theirs['wall_s']:.2f} s, {theirs['peak_rss'] / 2**30:.2f} GB RSS, peak {theirs['peak_bytes'] / 2**30:.2f} GiB"
     )
     _memtracker_caveat(theirs)
+    for what, path in ours["path"].items():
+        print(f"  fxmem's {what}: {path}")
     print(f"ratio MemTracker / fxmem: {theirs['wall_s'] / ours['wall_s']:.2f}x (target: >= 5x, answering every batch size)")
     print()
     print(_split_table(ours["stages"], ours["wall_s"]))
+
+
+def _by_depth() -> None:
+    """fxmem's default analyze at gpt-7b's width and DEPTHS layers: repeated blocks make it nearly flat."""
+    from tabulate import tabulate
+
+    rows = []
+    for layers in DEPTHS:
+        ours = _run(f"depth-{layers}", "default")
+        rows.append([layers, f"{ours['wall_s']:.2f}", f"{ours['peak_rss'] / 2**30:.2f}", ours["path"]["step"].split(" (")[0]])
+    print(tabulate(rows, headers=["layers", "default analyze s", "GB RSS", "step simulated from"], disable_numparse=True))
 
 
 def _memtracker_caveat(theirs: dict[str, Any]) -> None:
@@ -270,6 +291,9 @@ def main(argv: list[str]) -> int:
     if argv == [VERSUS]:
         _default_vs_memtracker()
         return 0
+    if argv == [BY_DEPTH]:
+        _by_depth()
+        return 0
     names = argv or list(CASES)
     _table(names)
     if "gpt-7b" in names:
@@ -279,6 +303,8 @@ def main(argv: list[str]) -> int:
     if "gpt-7b" in names:
         print()
         _default_vs_memtracker()
+        print()
+        _by_depth()
     return 0
 
 

@@ -13,7 +13,8 @@ from fxmem.cost.tradeoff import BN_THRESHOLD, batchnorm_layers
 from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
 from fxmem.engine.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
 from fxmem.engine.losses import Loss, get_loss
-from fxmem.errors import CaptureError, FxmemWarning, InputSpecError
+from fxmem.errors import CaptureError, FxmemError, FxmemWarning, InputSpecError
+from fxmem.frontends.blocks import BlockStack, cut_to, find_block_stack
 from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.tracing import trace_model
 from fxmem.gpu.device import DeviceModel, device_model
@@ -23,6 +24,7 @@ from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.step.peak import StepPeaks
+from fxmem.step.repeats import CAPTURED, Names, NotRepeating, ShallowCaptures, ShallowSteps
 from fxmem.step.sharding import shard_state, units_of
 from fxmem.step.state import get_optimizer, state_bytes
 from fxmem.step.timeline import simulate_step
@@ -97,12 +99,15 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup)
+    shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
+    accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow)
     say("counting model state")
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     state, per_gpu, device = _state(model, opt, param_dtype, setup, impl)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict, setup)
-    steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch, setup, impl, device) if peak else None
+    steps = None
+    if peak:
+        steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch, setup, impl, device, shallow)
     if device_memory is None and setup.cuda:
         device_memory = setup.device.memory_bytes
     return Report(
@@ -155,17 +160,18 @@ def _simulate_steps(
     setup: TrainingSetup,
     impl: str,
     device: DeviceModel | None,
+    shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
 ) -> StepPeaks:
     """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
-    the report's own batch now (so that a failing step fails analyze), concrete ones on demand."""
+    the report's own batch now (so that a failing step fails analyze), concrete ones on demand.
+    With ``shallow`` (a block stack and the model cut to 3 and 4 blocks), each is made from the
+    shallow steps where they extend exactly, else by simulating the whole model (Note [Repeated blocks])."""
     rules, workspaces = op_rules_for(setup.target), workspace_rules_for(setup.target)
     kernels = setup.kernels()
 
-    def run(b: int | None) -> Timeline:
-        if b is not None:
-            say(f"simulating the training step at B={b}")
+    def simulate(graph: fx.GraphModule, b: int | None) -> Timeline:
         return simulate_step(
-            gm,
+            graph,
             specs,
             loss=loss,
             optimizer=opt,
@@ -179,6 +185,22 @@ def _simulate_steps(
             state_dtype=setup.state_dtype,
         )
 
+    fast, path = _fast_path(gm, shallow, simulate)
+
+    def run(b: int | None) -> Timeline:
+        nonlocal fast
+        if b is not None:
+            say(f"simulating the training step at B={b}")
+        if fast is not None:
+            try:
+                return fast.timeline(b)
+            except NotRepeating as e:
+                steps.path = f"the whole model (its blocks do not repeat exactly: {e})"
+                fast = None
+            except (FxmemError, SymbolicUnsupported, BatchSpecialized):
+                pass  # a step the shallow copies cannot take (BatchNorm at B=1): the whole model's own error says why
+        return simulate(gm, b)
+
     def symbolic() -> tuple[Timeline | None, str]:
         say("simulating the training step (symbolic pass, batch B)")
         try:
@@ -186,9 +208,45 @@ def _simulate_steps(
         except (SymbolicUnsupported, BatchSpecialized) as e:
             return None, f"the step is simulated at each batch size asked ({e})"
 
-    steps = StepPeaks(None, {}, run, seq, make_symbolic=symbolic, make_batch_one=lambda: run(1), device=device)
+    steps = StepPeaks(None, {}, run, seq, make_symbolic=symbolic, make_batch_one=lambda: run(1), device=device, path=path)
     steps.peak(batch)
     return steps
+
+
+def _fast_path(
+    gm: fx.GraphModule,
+    shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None,
+    simulate: Callable[[fx.GraphModule, int | None], Timeline],
+) -> tuple[ShallowSteps | None, str]:
+    """The shallow steps that stand for the whole model's, and which path the step takes."""
+    if shallow is None:
+        return None, "the whole model"
+    stack, graphs = shallow
+    try:
+        to_four = Names.of(stack, graphs[3].graph, graphs[4].graph, 4)
+        to_full = Names.of(stack, graphs[3].graph, gm.graph, stack.depth)
+    except NotRepeating as e:
+        return None, f"the whole model (its blocks do not repeat exactly: {e})"
+    path = _shallow_path(stack)
+    return ShallowSteps(stack, to_four, to_full, lambda depth, b: simulate(graphs[depth], b)), path
+
+
+def _shallow_graphs(
+    model: nn.Module, gm: fx.GraphModule, specs: tuple[InputSpec, ...], name: str, leaf_types: tuple[type, ...], frontend: str
+) -> tuple[BlockStack, dict[int, fx.GraphModule]] | None:
+    """The model's block stack and its graphs cut to 3 and 4 blocks, or None where the step is
+    simulated whole: no stack, checkpointed regions, or a model that does not trace with fewer blocks."""
+    stack = find_block_stack(model)
+    if stack is None or checkpoint_regions(gm):
+        return None
+    graphs: dict[int, fx.GraphModule] = {}
+    for depth in (3, 4):
+        with cut_to(model, stack, depth):
+            try:
+                graphs[depth] = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend).gm
+            except FxmemError:  # the model needs all its blocks: it is simulated whole
+                return None
+    return stack, graphs
 
 
 def _account(
@@ -200,12 +258,20 @@ def _account(
     seq: int | None,
     strict: bool,
     setup: TrainingSetup,
+    shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
 ) -> Accounting:
     """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B.
 
     Concrete passes (B=1 included) run at the sequence length ``seq`` where an input has a symbolic S.
+    With ``shallow``, each pass is made from the model cut to 3 and 4 blocks where it extends exactly
+    (Note [Saved tensors from three blocks]), else run on the whole model.
     """
-    run = _pass(gm, specs, loss, name, strict, setup)
+    run, path = _fast_capture(gm, shallow, lambda graph: _pass(graph, specs, loss, name, strict, setup))
+    return replace(_passes(run, say, seq), path=path())
+
+
+def _passes(run: Callable[[int | None, int | None], Capture], say: Callable[[str], None], seq: int | None) -> Accounting:
+    """The symbolic pass and B=1, or concrete passes where the symbolic one cannot stand for every B."""
     try:
         say("capturing saved tensors (symbolic pass, batch B)")
         symbolic = run(None, None)
@@ -223,6 +289,45 @@ def _account(
     say("capturing saved tensors (concrete pass at B=1)")
     one, why_not_one = _batch_one(run, seq)
     return account_bytes(symbolic, {1: one} if one is not None else {}, batch_one_error=why_not_one)
+
+
+def _fast_capture(
+    gm: fx.GraphModule,
+    shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None,
+    make: Callable[[fx.GraphModule], Callable[[int | None, int | None], Capture]],
+) -> tuple[Callable[[int | None, int | None], Capture], Callable[[], str]]:
+    """The capture pass at (batch, seq), from the shallow copies while they extend exactly, else on
+    the whole model; and, once the passes have run, which of the two they took."""
+    whole = make(gm)
+    if shallow is None:
+        return whole, lambda: "the whole model"
+    stack, graphs = shallow
+    try:
+        to_four = Names.of(stack, graphs[3].graph, graphs[4].graph, 4, CAPTURED)
+        to_full = Names.of(stack, graphs[3].graph, gm.graph, stack.depth, CAPTURED)
+    except NotRepeating as e:
+        why = f"the whole model ({e})"
+        return whole, lambda: why
+    passes = {depth: make(graph) for depth, graph in graphs.items()}
+    fast: list[ShallowCaptures] = [ShallowCaptures(stack, to_four, to_full, lambda d, b, s: passes[d](b, s))]
+    path = [_shallow_path(stack)]
+
+    def run(batch: int | None, seq: int | None) -> Capture:
+        if fast:
+            try:
+                return fast[0].at(batch, seq)
+            except NotRepeating as e:
+                fast.clear()
+                path[0] = f"the whole model (its blocks do not repeat exactly: {e})"
+            except (FxmemError, SymbolicUnsupported, BatchSpecialized):
+                pass  # a pass the shallow copies cannot take: the whole model's own error says why
+        return whole(batch, seq)
+
+    return run, lambda: path[0]
+
+
+def _shallow_path(stack: BlockStack) -> str:
+    return f"{stack.depth} x {stack.kind} in '{stack.path}' from the model cut to 3 and 4 blocks (Note [Repeated blocks])"
 
 
 def _same_failure(symbolic: Exception, concrete: CaptureError) -> CaptureError:

@@ -191,6 +191,10 @@ class Timeline:
     buffers depend on the batch otherwise than by a line (Note [Kernel choices that change with the
     batch] in fxmem/step/timeline.py); where one says no, a concrete timeline serves that batch."""
 
+    contexts: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """Per event of a first step, the module path of the op running when it happened: which block
+    it belongs to when a deep model's step is extended from a shallow one (fxmem/step/repeats.py)."""
+
     def exact_at(self, batch: int) -> bool:
         return all(check(batch) for check in self.checks)
 
@@ -422,6 +426,8 @@ class Accounting:
     note: str = ""
     batch_one_error: str = ""
     """Why a training step cannot run at B=1 (BatchNorm on one sample), or "" when it can."""
+    path: str = ""
+    """What the passes ran on: the whole model, or its repeated blocks from a shallow copy (Note [Repeated blocks])."""
 
 
 @dataclass(frozen=True)
@@ -453,4 +459,3 @@ class PerGpuState:
     @property
     def total(self) -> int:
         return sum(line.nbytes for _, line in self.lines())
-

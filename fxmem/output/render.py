@@ -193,6 +193,7 @@ def _summary(report: Report) -> str:
     notes = [ON_GPU if gpu else NOT_INCLUDED if report.steps is not None else NOT_INCLUDED + " " + NO_PEAK]
     if report.steps is not None and report.steps.note:
         notes.append(f"Peak: {report.steps.note}.")
+    notes += _path_lines(report)
     if report.accounting.batch_one_error:
         notes.append(
             "The model cannot train at B=1, so B=1 figures follow the line: " + " ".join(report.accounting.batch_one_error.split())[:300]
@@ -259,6 +260,21 @@ def _compute_lines(report: Report, b: int, at: str) -> list[list[str]]:
 
 def _dtype_label(dtype: Any) -> str:
     return dtype_name(dtype) if dtype is not None else "no"
+
+
+WHOLE = "the whole model"
+"""What the passes ran on where the model has no repeated blocks to extend (Note [Repeated blocks])."""
+
+
+def _path_lines(report: Report) -> list[str]:
+    """Which model the passes ran on: the whole one, or its repeated blocks from a shallow copy."""
+    step = report.steps.path if report.steps is not None else ""
+    saved = report.accounting.path
+    if {step, saved} <= {"", WHOLE}:
+        return []  # no repeated blocks: nothing to say
+    if not step or step == saved:
+        return [f"Simulated: {saved}."]
+    return [f"Simulated: saved tensors: {saved}; the step: {step}."]
 
 
 def _tradeoff_section(report: Report) -> str:

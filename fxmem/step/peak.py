@@ -23,6 +23,7 @@ __all__ = ["Points", "StepPeaks", "envelope", "points"]
 _NO_PHASE = Phase.FORWARD
 """The phase reported for a step that allocates nothing (its peak is the baseline, before the forward)."""
 
+
 @dataclass(frozen=True)
 class Points:
     """The live bytes right after each allocation of a timeline (``event`` indexes ``timeline.events``)."""
@@ -119,6 +120,8 @@ class StepPeaks:
     make_batch_one: Callable[[], Timeline] | None = field(default=None, repr=False)
     device: DeviceModel | None = None
     """For a cuda target: how the GPU holds the step (allocator, fixed costs, per-GPU state)."""
+    path: str = ""
+    """What was simulated: the whole model, or its repeated blocks from a shallow copy (Note [Repeated blocks])."""
     _points: dict[tuple[int | None, bool], Points] = field(default_factory=dict, repr=False)
     _device: dict[tuple[int, bool], DevicePeak] = field(default_factory=dict, repr=False)
 

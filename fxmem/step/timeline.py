@@ -117,6 +117,8 @@ class _Raw:
     alloc: bool
     storage: _Storage
     phase: Phase
+    context: str = ""
+    """The module path of the op running when it happened (a release is seen before the next op)."""
 
 
 @dataclass(eq=False)
@@ -160,8 +162,9 @@ class _Tracker(TorchDispatchMode):
         entry = self.live.get(StorageWeakRef(t.untyped_storage()))
         return entry.number if entry is not None else None
 
-    def poll(self) -> None:
-        """Record the release of every storage that has died since the last poll, oldest first."""
+    def poll(self, context: str | None = None) -> None:
+        """Record the release of every storage that has died since the last poll, oldest first, as
+        seen while ``context`` (a module path; the running one when None) runs."""
         dead = [key for key in self.scanned if key.expired()]
         if self.deaths:
             dead += self.deaths
@@ -170,7 +173,7 @@ class _Tracker(TorchDispatchMode):
             return
         dead = [key for key in dead if key in self.live]  # a storage handed on (``_adds_in_place``) is not released
         for key in sorted(dead, key=lambda k: self.live[k].number):
-            self.raw.append(_Raw(False, self.live.pop(key), self.phase))
+            self.raw.append(_Raw(False, self.live.pop(key), self.phase, self.fqn if context is None else context))
             self.watchers.pop(key, None)
             self.scanned.discard(key)
 
@@ -188,8 +191,8 @@ class _Tracker(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
-        self.poll()
         node, fqn = self._attribution(args)
+        self.poll(fqn)
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         op = str(func.overloadpacket)
@@ -200,7 +203,7 @@ class _Tracker(TorchDispatchMode):
             outs = ()
         for i, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
-                self._allocated(t, sizes.get(i), node, fqn, label)
+                self._allocated(t, sizes.get(i), *self._foreach_owner(op, args, i, (node, fqn)), label)
         cost = op_cost(func, args, kwargs, out)
         if cost is not None and not is_view_like(func):
             self.costs.append((self.phase, node, fqn, op, _compute_dtype(args), cost))
@@ -240,8 +243,8 @@ class _Tracker(TorchDispatchMode):
     def _transient(self, nbytes: object, node: str, fqn: str, op: str, bound: WorkspaceBound | None = None) -> None:
         """A kernel's workspace: allocated and released within the op, alive with its outputs."""
         storage = _Storage(len(self.raw), nbytes, node, fqn, op, bound)
-        self.raw.append(_Raw(True, storage, self.phase))
-        self.raw.append(_Raw(False, storage, self.phase))
+        self.raw.append(_Raw(True, storage, self.phase, fqn))
+        self.raw.append(_Raw(False, storage, self.phase, fqn))
 
     def _allocated(self, t: torch.Tensor, nbytes: object, node: str, fqn: str, op: str) -> None:
         key = StorageWeakRef(t.untyped_storage())
@@ -252,9 +255,20 @@ class _Tracker(TorchDispatchMode):
         self.newest = storage.number
         self.live[key] = storage
         self._watch_death(key, t.untyped_storage())
-        self.raw.append(_Raw(True, storage, self.phase))
+        self.raw.append(_Raw(True, storage, self.phase, fqn))
         if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
             self.names[key] = node
+
+    def _foreach_owner(self, op: str, args: Any, i: int, default: tuple[str, str]) -> tuple[str, str]:
+        """The parameter a foreach op's ``i``-th output is for: the one its first list holds at ``i``
+        (all of them would otherwise be charged to the list's first parameter)."""
+        if not op.startswith("aten._foreach_") or self.phase not in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            return default
+        first = args[0] if args else None
+        if not isinstance(first, (list, tuple)) or i >= len(first) or not isinstance(first[i], torch.Tensor):
+            return default
+        name = self.names.get(StorageWeakRef(first[i].untyped_storage()))
+        return (name, _module_of(name)) if name is not None else default
 
     def _attribution(self, args: Any) -> tuple[str, str]:
         """(node, module path) an op is charged to: the running fx node in forward and loss, the
@@ -592,7 +606,8 @@ def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int 
         OpCostRecord(phase, node, fqn, op, dtype, convert(c.flops), convert(c.read_bytes), convert(c.written_bytes), c.has_formula)
         for phase, node, fqn, op, dtype, c in tracker.costs
     )
-    return Timeline(batch, True, baseline, events, storages, costs, tuple(tracker.checks))
+    contexts = tuple(r.context for r in tracker.raw)
+    return Timeline(batch, True, baseline, events, storages, costs, tuple(tracker.checks), contexts)
 
 
 @dataclass
@@ -627,4 +642,5 @@ def steady_step(first: Timeline) -> Timeline:
     for _, nbytes in state:
         baseline[Category.OPTIMIZER_STATE] = baseline.get(Category.OPTIMIZER_STATE, ByteExpr()) + nbytes
     events = tuple(e for e in first.events if e.storage not in moved)
-    return replace(first, first_step=False, baseline=baseline, events=events, baseline_storages=first.baseline_storages + state)
+    storages = first.baseline_storages + state
+    return replace(first, first_step=False, baseline=baseline, events=events, baseline_storages=storages, contexts=())

@@ -1,0 +1,522 @@
+"""A deep model's step from a 3-block one: the middle block's events repeated (Note [Repeated blocks]
+in fxmem/frontends/blocks.py).
+
+Note [Extending a step by its middle block]
+    Each event of a shallow step (an allocation, a release, an op's cost) belongs to a block: an
+    allocation to the block whose op made it, a release to the block whose op was running when it
+    was seen, or, where that is no block (the optimizer's foreach ops, ``zero_grad``), to the block
+    that made the storage. Within each phase the events then read as sweeps over the blocks (the
+    forward and each foreach op in block order, backward in reverse), each sweep a run of events
+    per block with events of no block between runs, and events of no block or of an edge block
+    (the first, the last) outside the sweeps. With 3 blocks, a sweep is first, middle, last; with
+    L blocks it is first, L-2 copies of the middle, last, and the events between two middle runs
+    are those between the middle and the last run. A copied event names the block it is copied to
+    (and its neighbours: a release of the next block's storage stays the next block's), and a
+    release frees the copy of the storage it freed. Storages are numbered by their allocation's
+    place in the step, as the simulation numbers them.
+
+    Nothing here is assumed about what a block does: where the events do not read as such sweeps,
+    or where extending the 3-block step does not give the 4-block step exactly, the caller
+    simulates the full model.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch.fx as fx
+
+from fxmem.engine.capture import node_fqn
+from fxmem.frontends.blocks import BlockStack
+from fxmem.results import Capture, Category, MemoryEvent, NodeInfo, OpCostRecord, Timeline
+from fxmem.symbolic import ByteExpr
+
+__all__ = ["CAPTURED", "Names", "NotRepeating", "ShallowCaptures", "ShallowSteps", "extend_baseline", "extend_capture", "extend_timeline"]
+
+
+class NotRepeating(Exception):
+    """The shallow step's events do not extend by repeating the middle block (the full step is simulated)."""
+
+
+_RUNNING = ("call_function", "call_method", "call_module")
+"""The nodes that run ops: the only ones a step's events are charged to (an exported graph's
+parameters are placeholders, whose number grows with the blocks)."""
+CAPTURED = (*_RUNNING, "get_attr")
+"""The nodes a capture lists besides the inputs."""
+
+
+@dataclass(frozen=True)
+class Names:
+    """fx node names per block, in graph order, of the shallow graph and of the graph extended to."""
+
+    stack: BlockStack
+    source: Mapping[str, tuple[int | None, int]]
+    """Shallow node name -> (block or None, its place among that block's nodes)."""
+    target: Mapping[int | None, Sequence[str]]
+
+    inputs: tuple[str, ...] = ()
+    """The target graph's placeholders."""
+
+    @staticmethod
+    def of(stack: BlockStack, shallow: fx.Graph, full: fx.Graph, depth: int, kinds: tuple[str, ...] = _RUNNING) -> Names:
+        """Names of the nodes of ``kinds`` (by default those that run ops). Raises NotRepeating unless
+        both graphs have as many of them outside the blocks and in each block, so that a node's place
+        in its block names its counterpart."""
+        source: dict[str, tuple[int | None, int]] = {}
+        counts: dict[int | None, int] = {}
+        for n in shallow.nodes:
+            if n.op not in kinds:
+                continue
+            layer = stack.layer_of(node_fqn(n))
+            source[n.name] = (layer, counts.get(layer, 0))
+            counts[layer] = counts.get(layer, 0) + 1
+        target: dict[int | None, list[str]] = {}
+        for n in full.nodes:
+            if n.op in kinds:
+                target.setdefault(stack.layer_of(node_fqn(n)), []).append(n.name)
+        per_block = {len(names) for layer, names in target.items() if layer is not None} | {
+            count for layer, count in counts.items() if layer is not None
+        }
+        if len(per_block) != 1 or len(target.get(None, ())) != counts.get(None, 0) or len(target) != depth + (None in target):
+            raise NotRepeating("the graphs differ outside the blocks, or their blocks differ")
+        inputs = tuple(n.name for n in full.nodes if n.op == "placeholder")
+        return Names(stack, source, target, inputs)
+
+    def block_of_node(self, name: str) -> int | None:
+        placed = self.source.get(name)
+        return placed[0] if placed is not None else None
+
+    def node(self, name: str, to: Callable[[int], int]) -> str:
+        """An event's node (fx node, parameter name, or a fixed label) with its block moved by ``to``."""
+        placed = self.source.get(name)
+        if placed is not None:
+            layer, k = placed
+            names = self.target.get(layer if layer is None else to(layer), ())
+            if k >= len(names):
+                raise NotRepeating(f"node {name} has no counterpart")
+            return names[k]
+        layer = self.stack.layer_of(name)
+        return name if layer is None else self.stack.with_layer(name, to(layer))
+
+    def relative(self, name: str, layer: int) -> tuple[object, ...]:
+        """A node name or module path as (block relative to ``layer``, what it is within its block)."""
+        placed = self.source.get(name)
+        if placed is not None:
+            block, k = placed
+            return (None if block is None else block - layer, k)
+        block = self.stack.layer_of(name)
+        return (None, name) if block is None else (block - layer, self.stack.with_layer(name, 0))
+
+    def fqn(self, fqn: str, to: Callable[[int], int]) -> str:
+        layer = self.stack.layer_of(fqn)
+        return fqn if layer is None else self.stack.with_layer(fqn, to(layer))
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Consecutive events of one phase: ``fixed`` (outside any sweep), or one block's ``run`` in a
+    sweep, or the ``gap`` after it, with the block ``layer`` (in the shallow step) they belong to."""
+
+    kind: str
+    start: int
+    end: int
+    sweep: int = -1
+    layer: int = -1
+    ascending: bool = True
+
+
+def extend_timeline(shallow: Timeline, deeper: Timeline, depth: int, to_depth: int, names: Names, to_deeper: Names) -> Timeline:
+    """The step of ``to_depth`` blocks from ``shallow``, a step of ``depth`` (3 or more) (Note [Extending a step
+    by its middle block]). ``deeper`` is the step with one block more, whose names ``to_deeper``
+    gives, for the ops outside the sweeps (Note [One cost for all the parameters]). Raises
+    NotRepeating where the events do not read as sweeps."""
+    if depth < 3 or to_depth < depth or len(shallow.contexts) != len(shallow.events):
+        raise NotRepeating("needs a step of at least 3 blocks, with each event's running module")
+    tags = [_event_tag(e, c, names.stack) for e, c in zip(shallow.events, shallow.contexts)]
+    plan = _plan([e.phase for e in shallow.events], tags, depth, to_depth)
+    events = _copy_events(shallow.events, plan, depth, to_depth, names)
+    costs = _extend_costs(shallow.costs, deeper.costs, depth, to_depth, names, to_deeper)
+    return replace(shallow, events=events, costs=costs, contexts=())
+
+
+# Note [One cost for all the parameters]
+#     Some ops of the optimizer lie outside the sweeps yet grow with the blocks: a foreach op
+#     (``_foreach_addcdiv_`` over every parameter) is one op whose bytes are those of all its
+#     tensors, and AdamW reads each parameter's step count (``_local_scalar_dense``) in a row of
+#     ops charged to no parameter. Each block adds the same tensors to the lists and the same ops
+#     to the row, so outside the sweeps the step of 3 blocks and that of 4 are the same ops, in
+#     runs of equal ops, where a run may be longer by the same count per block and a foreach op may
+#     cost more by the same bytes per block; at L blocks, each grows L - 3 times as much. Any
+#     other difference outside the sweeps stops the extension.
+
+
+def _extend_costs(
+    small: Sequence[OpCostRecord], big: Sequence[OpCostRecord], depth: int, to_depth: int, names: Names, to_deeper: Names
+) -> tuple[OpCostRecord, ...]:
+    pieces = _pieces([c.phase for c in small], [names.stack.layer_of(c.fqn) for c in small], depth)
+    fixed_big = [p for p in _pieces([c.phase for c in big], [names.stack.layer_of(c.fqn) for c in big], depth + 1) if p.kind == "fixed"]
+    if len(fixed_big) != sum(p.kind == "fixed" for p in pieces):
+        raise NotRepeating("the ops outside the sweeps differ with one more block")
+    edge, edge_deeper = _edges(depth, to_depth), _edges(depth, depth + 1)
+    out: list[OpCostRecord] = []
+    rename = lambda r, to, n=names: replace(r, node=n.node(r.node, to), fqn=n.fqn(r.fqn, to))
+    i, f = 0, 0
+    while i < len(pieces):
+        piece = pieces[i]
+        if piece.kind == "fixed":
+            mine = [rename(r, edge_deeper, to_deeper) for r in small[piece.start : piece.end]]
+            theirs = big[fixed_big[f].start : fixed_big[f].end]
+            grown = _grown(list(small[piece.start : piece.end]), mine, list(theirs), to_depth - depth)
+            out.extend(rename(r, edge) for r in grown)
+            i, f = i + 1, f + 1
+            continue
+        sweep = [p for p in pieces[i:] if p.sweep == piece.sweep]
+        out.extend(rename(small[c.index], c.to) for c in _sweep_plan(sweep, depth, to_depth))
+        i += len(sweep)
+    return tuple(out)
+
+
+def _grown(records: list[OpCostRecord], mine: list[OpCostRecord], theirs: list[OpCostRecord], blocks: int) -> list[OpCostRecord]:
+    """Ops outside the sweeps with ``blocks`` more blocks: ``mine`` (``records`` named as with one
+    more block) against ``theirs`` (the step with one more block), run by run (Note [One cost for
+    all the parameters])."""
+    ours, other = _run_lengths(mine), _run_lengths(theirs)
+    if len(ours) != len(other):
+        raise NotRepeating("the ops outside the sweeps differ with one more block")
+    out: list[OpCostRecord] = []
+    at = 0
+    for (record, count), (deeper, deeper_count) in zip(ours, other):
+        original = records[at]
+        at += count
+        if record == deeper:
+            out.extend([original] * (count + blocks * (deeper_count - count)))
+            continue
+        same_op = replace(deeper, flops=record.flops, read=record.read, written=record.written) == record
+        if not same_op or count != 1 or deeper_count != 1 or not record.op.startswith("aten._foreach_"):
+            raise NotRepeating(f"the op {record.op} at {record.node} differs with one more block")
+        grow = lambda a, b: a + _times(b - a, blocks)
+        out.append(
+            replace(
+                original,
+                flops=grow(record.flops, deeper.flops),
+                read=grow(record.read, deeper.read),
+                written=grow(record.written, deeper.written),
+            )
+        )
+    return out
+
+
+def _run_lengths(records: Sequence[OpCostRecord]) -> list[tuple[OpCostRecord, int]]:
+    runs: list[tuple[OpCostRecord, int]] = []
+    for r in records:
+        if runs and runs[-1][0] == r:
+            runs[-1] = (r, runs[-1][1] + 1)
+        else:
+            runs.append((r, 1))
+    return runs
+
+
+def _times(x: ByteExpr, n: int) -> ByteExpr:
+    total = ByteExpr()
+    for _ in range(n):
+        total = total + x
+    return total
+
+
+def extend_baseline(
+    shallow: Timeline, deeper: Timeline, depth: int, to_depth: int
+) -> tuple[dict[Category, ByteExpr], tuple[tuple[Category, ByteExpr], ...]]:
+    """The baseline (by category, and storage by storage) of ``to_depth`` blocks from those of
+    ``depth`` and ``depth + 1``: what one more block inserts (its parameters among the parameters,
+    its buffers among the buffers) inserted ``to_depth - depth`` times."""
+    small, big = shallow.baseline_storages, deeper.baseline_storages
+    storages: list[tuple[Category, ByteExpr]] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, small, big, autojunk=False).get_opcodes():
+        if tag == "equal":
+            storages.extend(small[i1:i2])
+        elif tag == "insert":
+            storages.extend(big[j1:j2] * (to_depth - depth))
+        else:
+            raise NotRepeating("one more block changes the baseline's storages, not only adds to them")
+    baseline: dict[Category, ByteExpr] = {}
+    for category, nbytes in storages:
+        baseline[category] = baseline.get(category, ByteExpr()) + nbytes
+    return baseline, tuple(storages)
+
+
+@dataclass(frozen=True)
+class ShallowSteps:
+    """A model's step from its copies cut to 3 and 4 blocks (Note [Repeated blocks] in
+    fxmem/frontends/blocks.py): ``simulate(depth, batch)`` runs one of them."""
+
+    stack: BlockStack
+    to_four: Names
+    to_full: Names
+    simulate: Callable[[int, int | None], Timeline]
+
+    def timeline(self, batch: int | None) -> Timeline:
+        """The full model's first-step timeline at ``batch``; NotRepeating where the 3-block step
+        extended to 4 blocks is not the 4-block step, event for event and op for op."""
+        three, four = self.simulate(3, batch), self.simulate(4, batch)
+        guess = extend_timeline(three, four, 3, 4, self.to_four, self.to_four)
+        if guess.events != four.events or guess.costs != four.costs:
+            raise NotRepeating(_first_difference(guess, four))
+        full = extend_timeline(three, four, 3, self.stack.depth, self.to_full, self.to_four)
+        baseline, storages = extend_baseline(three, four, 3, self.stack.depth)
+        return replace(full, baseline=baseline, baseline_storages=storages, checks=four.checks)
+
+
+@dataclass(frozen=True)
+class ShallowCaptures:
+    """A model's capture from its copies cut to 3 and 4 blocks (Note [Saved tensors from three
+    blocks]): ``capture(depth, batch, seq)`` runs the capture pass on one of them."""
+
+    stack: BlockStack
+    to_four: Names
+    to_full: Names
+    capture: Callable[[int, int | None, int | None], Capture]
+
+    def at(self, batch: int | None, seq: int | None) -> Capture:
+        """The full model's capture; NotRepeating where the 3-block one extended is not the 4-block one."""
+        three, four = self.capture(3, batch, seq), self.capture(4, batch, seq)
+        if extend_capture(three, 3, 4, self.to_four) != four:
+            raise NotRepeating("extending the 3-block capture to 4 blocks does not give the 4-block capture")
+        return extend_capture(three, 3, self.stack.depth, self.to_full)
+
+
+def _first_difference(guess: Timeline, real: Timeline) -> str:
+    for k, (a, b) in enumerate(zip(guess.events, real.events)):
+        if a != b:
+            return f"extending 3 blocks to 4 gives event {k} {a.op} at {a.node}, the 4-block step {b.op} at {b.node}"
+    if len(guess.events) != len(real.events):
+        return f"extending 3 blocks to 4 gives {len(guess.events)} events, the 4-block step {len(real.events)}"
+    return "extending 3 blocks to 4 does not give the 4-block step's op costs"
+
+
+def _event_tag(e: MemoryEvent, context: str, stack: BlockStack) -> int | None:
+    """The block an event belongs to: Note [Extending a step by its middle block]."""
+    if e.alloc:
+        return stack.layer_of(e.fqn)
+    running = stack.layer_of(context)
+    return running if running is not None else stack.layer_of(e.fqn)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One event of the extended step: the shallow event ``index`` it copies, from ``piece``, for
+    block ``target`` (None for a fixed piece), with ``to`` moving the block numbers it names."""
+
+    index: int
+    piece: _Piece
+    target: int | None
+    to: Callable[[int], int]
+
+
+Plan = list[_Copy]
+
+
+def _plan(phases: Sequence[object], tags: Sequence[int | None], depth: int, to_depth: int) -> Plan:
+    pieces = _pieces(phases, tags, depth)
+    plan: Plan = []
+    edge = _edges(depth, to_depth)
+    i = 0
+    while i < len(pieces):
+        piece = pieces[i]
+        if piece.kind == "fixed":
+            plan.extend(_Copy(k, piece, None, edge) for k in range(piece.start, piece.end))
+            i += 1
+            continue
+        sweep = [p for p in pieces[i:] if p.sweep == piece.sweep]
+        plan.extend(_sweep_plan(sweep, depth, to_depth))
+        i += len(sweep)
+    return plan
+
+
+def _edges(depth: int, to_depth: int) -> Callable[[int], int]:
+    def to(layer: int) -> int:
+        if layer == 0:
+            return 0
+        if layer == depth - 1:
+            return to_depth - 1
+        raise NotRepeating(f"an event outside the sweeps belongs to middle block {layer}")
+
+    return to
+
+
+def _sweep_plan(sweep: list[_Piece], depth: int, to_depth: int) -> Plan:
+    """One sweep over ``to_depth`` blocks from its pieces over ``depth``: first run, middle runs, last."""
+    runs = {p.layer: p for p in sweep if p.kind == "run"}
+    gaps = {p.layer: p for p in sweep if p.kind == "gap"}
+    order = range(to_depth) if sweep[0].ascending else range(to_depth - 1, -1, -1)
+    plan: Plan = []
+    for place, target in enumerate(order):
+        source = 0 if target == 0 else depth - 1 if target == to_depth - 1 else 1
+        plan.extend(_copy(runs[source], source, target))
+        if place == to_depth - 1:
+            break
+        # the gap after a block: its source's (between two middle blocks, the middle's gap to the last)
+        gap = gaps.get(source)
+        if gap is None:
+            raise NotRepeating("a sweep without its gap")
+        plan.extend(_copy(gap, source, target))
+    return plan
+
+
+def _copy(piece: _Piece, source: int, target: int) -> Plan:
+    move = lambda layer, s=source, t=target: t + (layer - s)
+    return [_Copy(k, piece, target, move) for k in range(piece.start, piece.end)]
+
+
+def _pieces(phases: Sequence[object], tags: Sequence[int | None], depth: int) -> list[_Piece]:
+    """Each phase's events as fixed pieces and sweeps (Note [Extending a step by its middle block])."""
+    pieces: list[_Piece] = []
+    start = 0
+    sweeps = 0
+    while start < len(phases):
+        end = start
+        while end < len(phases) and phases[end] == phases[start]:
+            end += 1
+        found, sweeps = _phase_pieces(tags, start, end, depth, sweeps)
+        pieces.extend(found)
+        start = end
+    return pieces
+
+
+def _runs(tags: Sequence[int | None], start: int, end: int) -> list[tuple[int, int, int]]:
+    """(block, first, last + 1) of each run of one block's events, events of no block inside a run kept in it."""
+    runs: list[tuple[int, int, int]] = []
+    for k in range(start, end):
+        tag = tags[k]
+        if tag is None:
+            continue
+        if runs and runs[-1][0] == tag:
+            runs[-1] = (tag, runs[-1][1], k + 1)
+        else:
+            runs.append((tag, k, k + 1))
+    return runs
+
+
+def _phase_pieces(tags: Sequence[int | None], start: int, end: int, depth: int, sweeps: int) -> tuple[list[_Piece], int]:
+    runs = _runs(tags, start, end)
+    pieces: list[_Piece] = []
+    at = start
+    r = 0
+    up, down = list(range(depth)), list(range(depth - 1, -1, -1))
+    while r < len(runs):
+        layers = [run[0] for run in runs[r : r + depth]]
+        if layers not in (up, down):
+            if 0 < runs[r][0] < depth - 1:
+                raise NotRepeating(f"events of middle block {runs[r][0]} outside a sweep")
+            r += 1
+            continue
+        first = runs[r][1]
+        if first > at:
+            pieces.append(_Piece("fixed", at, first))
+        ascending = layers == up
+        for k in range(depth):
+            layer, lo, hi = runs[r + k]
+            pieces.append(_Piece("run", lo, hi, sweeps, layer, ascending))
+            if k < depth - 1:
+                pieces.append(_Piece("gap", hi, runs[r + k + 1][1], sweeps, layer, ascending))
+        at = runs[r + depth - 1][2]
+        sweeps += 1
+        r += depth
+    if at < end:
+        pieces.append(_Piece("fixed", at, end))
+    return pieces, sweeps
+
+
+def _copy_events(events: Sequence[MemoryEvent], plan: Plan, depth: int, to_depth: int, names: Names) -> tuple[MemoryEvent, ...]:
+    """The extended events, each release pointing at the copy of the allocation it releases: in the
+    copy of that allocation's piece made for the block the release names, the allocation of the
+    same op, node and size (and the same count of such before it)."""
+    alloc_at = {e.storage: k for k, e in enumerate(events) if e.alloc}
+    piece_of = {c.index: c.piece for c in plan}
+    keys = _allocation_keys(events, piece_of, names)
+    edge = _edges(depth, to_depth)
+    copies: dict[tuple[object, ...], int] = {}
+    out: list[MemoryEvent] = []
+    for new, c in enumerate(plan):
+        e = events[c.index]
+        if e.alloc:
+            copies[_where(c.piece, c.target, c.index) + keys[c.index]] = new
+            storage = new
+        else:
+            source = alloc_at.get(e.storage)
+            if source is None or source not in piece_of:
+                raise NotRepeating("a release without its allocation")
+            piece = piece_of[source]
+            if piece.kind == "fixed":
+                block = None
+            elif c.target is None:
+                block = edge(piece.layer)
+            else:
+                block = c.target + (piece.layer - c.piece.layer)
+            storage = copies.get(_where(piece, block, source) + keys[source], -1)
+            if storage < 0:
+                raise NotRepeating(f"the release of storage {e.storage} ({e.op} at {e.node}) has no allocation to free")
+        out.append(replace(e, node=names.node(e.node, c.to), fqn=names.fqn(e.fqn, c.to), storage=storage))
+    return tuple(out)
+
+
+def _where(piece: _Piece, block: int | None, index: int) -> tuple[object, ...]:
+    return ("fixed", index) if piece.kind == "fixed" else (piece.sweep, piece.kind, block)
+
+
+def _allocation_keys(events: Sequence[MemoryEvent], piece_of: Mapping[int, _Piece], names: Names) -> dict[int, tuple[object, ...]]:
+    """Per allocation, what it is relative to its piece's block (op, node, size) and how many such
+    came before it in the piece: the same in every copy of a block's events."""
+    keys: dict[int, tuple[object, ...]] = {}
+    seen: dict[tuple[object, ...], int] = {}
+    for k, e in enumerate(events):
+        piece = piece_of.get(k)
+        if not e.alloc or piece is None:
+            continue
+        what = (piece.start, e.op, e.nbytes, e.category, names.relative(e.node, piece.layer), names.relative(e.fqn, piece.layer))
+        keys[k] = (*what[1:], seen.get(what, 0))
+        seen[what] = seen.get(what, 0) + 1
+    return keys
+
+
+def _renamed(c: OpCostRecord, to: Callable[[int], int], names: Names) -> OpCostRecord:
+    return replace(c, node=names.node(c.node, to), fqn=names.fqn(c.fqn, to))
+
+
+# Note [Saved tensors from three blocks]
+#     The capture pass (what autograd saves, node by node) extends as the step does: its nodes and
+#     its saved storages, in the order the forward met them, read as one sweep over the blocks, and
+#     those of L blocks are the first block's, L - 2 copies of the middle one's and the last one's,
+#     renamed. It is kept only where the 3-block capture extended to 4 blocks is the 4-block
+#     capture, node for node and storage for storage. Graphs whose inputs differ with the depth
+#     (torch.export lifts each parameter to an input) are captured whole.
+
+
+def extend_capture(shallow: Capture, depth: int, to_depth: int, names: Names) -> Capture:
+    """The capture of ``to_depth`` blocks from that of ``depth``: Note [Saved tensors from three blocks]."""
+    if shallow.unsupported:
+        raise NotRepeating("a node's saved bytes are not supported")
+    inputs = [i for i in shallow.nodes if i.op == "placeholder"]
+    if tuple(i.name for i in inputs) != names.inputs:
+        raise NotRepeating("the graph's inputs change with its depth")
+    others = [i for i in shallow.nodes if i.op != "placeholder"]
+    tags = [names.block_of_node(i.name) for i in others]
+    plan = _plan(["forward"] * len(others), tags, depth, to_depth)
+    infos = [*inputs, *(_renamed_info(others[c.index], c.to, names) for c in plan)]
+    saved_tags = [names.block_of_node(s.saved_by[0] if s.saved_by else s.node) for s in shallow.saved]  # the node running
+    saved_plan = _plan(["forward"] * len(shallow.saved), saved_tags, depth, to_depth)
+    saved = tuple(
+        replace(
+            shallow.saved[c.index],
+            storage=k,
+            node=names.node(shallow.saved[c.index].node, c.to),
+            saved_by=tuple(names.node(n, c.to) for n in shallow.saved[c.index].saved_by),
+        )
+        for k, c in enumerate(saved_plan)
+    )
+    return replace(shallow, nodes=tuple(infos), saved=saved)
+
+
+def _renamed_info(info: NodeInfo, to: Callable[[int], int], names: Names) -> NodeInfo:
+    return replace(info, name=names.node(info.name, to), fqn=names.fqn(info.fqn, to))
