@@ -99,7 +99,10 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
+    # An exported graph's capture runs whole (its weights are inputs, Note [Saved tensors from three
+    # blocks]): without the step, the shallow copies would serve nothing.
+    serves = peak or traced.frontend == "fx"
+    shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend) if serves else None
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow)
     say("counting model state")
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
