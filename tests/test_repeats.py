@@ -160,3 +160,10 @@ def test_a_model_that_needs_all_its_blocks_is_simulated_whole() -> None:
     report = _analyze(_meta(Indexed), ["B,8"], "sum", False, target="cpu")
     assert report.steps.path == "the whole model"
     assert report.peak(4).bytes > 0
+
+
+def test_gpt_under_autocast_with_fused_adamw_and_zero3() -> None:
+    # A fused optimizer is one op over every parameter, outside the sweeps (Note [One cost for all the parameters]).
+    model = _meta(lambda: GPT(101, 16, 32, 6, 4, dropout=0.1, tied=False))
+    options = {"amp": "bf16", "optimizer_impl": "fused", "world_size": 4, "shard": "zero3"}
+    _assert_fast_equals_whole(model, ["B,16:int64"], "lm_cross_entropy", target="cuda", **options)

@@ -142,7 +142,7 @@ def extend_timeline(shallow: Timeline, deeper: Timeline, depth: int, to_depth: i
 
 
 # Note [One cost for all the parameters]
-#     Some ops of the optimizer lie outside the sweeps yet grow with the blocks: a foreach op
+#     Some ops of the optimizer lie outside the sweeps yet grow with the blocks: a foreach or fused op
 #     (``_foreach_addcdiv_`` over every parameter) is one op whose bytes are those of all its
 #     tensors, and AdamW reads each parameter's step count (``_local_scalar_dense``) in a row of
 #     ops charged to no parameter. Each block adds the same tensors to the lists and the same ops
@@ -194,7 +194,7 @@ def _grown(records: list[OpCostRecord], mine: list[OpCostRecord], theirs: list[O
             out.extend([original] * (count + blocks * (deeper_count - count)))
             continue
         same_op = replace(deeper, flops=record.flops, read=record.read, written=record.written) == record
-        if not same_op or count != 1 or deeper_count != 1 or not record.op.startswith("aten._foreach_"):
+        if not same_op or count != 1 or deeper_count != 1 or not record.op.startswith(("aten._foreach_", "aten._fused_")):
             raise NotRepeating(f"the op {record.op} at {record.node} differs with one more block")
         grow = lambda a, b: a + _times(b - a, blocks)
         out.append(
