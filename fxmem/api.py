@@ -305,6 +305,8 @@ def _fast_capture(
     if shallow is None:
         return whole, lambda: "the whole model"
     stack, graphs = shallow
+    if _inputs(graphs[3]) != _inputs(gm):
+        return whole, lambda: "the whole model (its graph's inputs grow with its blocks: torch.export makes the weights inputs)"
     try:
         to_four = Names.of(stack, graphs[3].graph, graphs[4].graph, 4, CAPTURED)
         to_full = Names.of(stack, graphs[3].graph, gm.graph, stack.depth, CAPTURED)
@@ -327,6 +329,10 @@ def _fast_capture(
         return whole(batch, seq)
 
     return run, lambda: path[0]
+
+
+def _inputs(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _shallow_path(stack: BlockStack) -> str:
