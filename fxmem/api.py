@@ -24,7 +24,7 @@ from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.step.peak import StepPeaks
-from fxmem.step.repeats import CAPTURED, Names, NotRepeating, ShallowCaptures, ShallowSteps
+from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
 from fxmem.step.sharding import shard_state, units_of
 from fxmem.step.state import get_optimizer, state_bytes
 from fxmem.step.timeline import simulate_step
@@ -226,8 +226,7 @@ def _fast_path(
         return None, "the whole model"
     stack, graphs = shallow
     try:
-        to_four = Names.of(stack, graphs[3].graph, graphs[4].graph, 4)
-        to_full = Names.of(stack, graphs[3].graph, gm.graph, stack.depth)
+        to_four, to_full = names_for(stack, graphs, gm)
     except NotRepeating as e:
         return None, f"the whole model (its blocks do not repeat exactly: {e})"
     path = _shallow_path(stack)
@@ -308,8 +307,7 @@ def _fast_capture(
     if _inputs(graphs[3]) != _inputs(gm):
         return whole, lambda: "the whole model (its graph's inputs grow with its blocks: torch.export makes the weights inputs)"
     try:
-        to_four = Names.of(stack, graphs[3].graph, graphs[4].graph, 4, CAPTURED)
-        to_full = Names.of(stack, graphs[3].graph, gm.graph, stack.depth, CAPTURED)
+        to_four, to_full = names_for(stack, graphs, gm, CAPTURED)
     except NotRepeating as e:
         why = f"the whole model ({e})"
         return whole, lambda: why

@@ -60,6 +60,15 @@ class ByteExpr:
     def __sub__(self, other: ByteExpr) -> ByteExpr:
         return self + -other
 
+    def __mul__(self, count: int) -> ByteExpr:
+        """``count`` copies of these bytes (a whole number: blocks, devices, ...)."""
+        return ByteExpr(
+            self.per_sample * count,
+            self.fixed * count,
+            _trim(tuple(c * count for c in self.higher)),
+            tuple((i, j, c * count) for i, j, c in self.seq_terms if c * count),
+        )
+
     def at(self, batch: int, seq: int | None = None) -> int:
         """The bytes at one batch size (and sequence length, where S is symbolic)."""
         if self.seq_terms and seq is None:

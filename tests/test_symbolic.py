@@ -46,3 +46,10 @@ def test_fit_linear_through_two_points() -> None:
 
 def test_label_dim_writes_the_batch_symbol_as_B() -> None:
     assert label_dim(7, B) == 7
+
+
+def test_count_times_bytes_is_repeated_addition() -> None:
+    # k copies of a block's bytes, as repeated blocks add them (fxmem/step/repeats.py)
+    x = ByteExpr(per_sample=3, fixed=5, higher=(2,), seq_terms=((1, 1, 4),))
+    assert x * 3 == x + x + x
+    assert x * 0 == ByteExpr()

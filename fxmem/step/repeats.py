@@ -23,6 +23,7 @@ Note [Extending a step by its middle block]
 from __future__ import annotations
 
 import difflib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -33,7 +34,17 @@ from fxmem.frontends.blocks import BlockStack
 from fxmem.results import Capture, Category, MemoryEvent, NodeInfo, OpCostRecord, Timeline
 from fxmem.symbolic import ByteExpr
 
-__all__ = ["CAPTURED", "Names", "NotRepeating", "ShallowCaptures", "ShallowSteps", "extend_baseline", "extend_capture", "extend_timeline"]
+__all__ = [
+    "CAPTURED",
+    "Names",
+    "NotRepeating",
+    "ShallowCaptures",
+    "ShallowSteps",
+    "extend_baseline",
+    "extend_capture",
+    "extend_timeline",
+    "names_for",
+]
 
 
 class NotRepeating(Exception):
@@ -112,6 +123,15 @@ class Names:
     def fqn(self, fqn: str, to: Callable[[int], int]) -> str:
         layer = self.stack.layer_of(fqn)
         return fqn if layer is None else self.stack.with_layer(fqn, to(layer))
+
+
+def names_for(
+    stack: BlockStack, graphs: Mapping[int, fx.GraphModule], full: fx.GraphModule, kinds: tuple[str, ...] = _RUNNING
+) -> tuple[Names, Names]:
+    """The names from the 3-block graph to the 4-block one and to ``full``; NotRepeating where they
+    do not correspond."""
+    three = graphs[3].graph
+    return Names.of(stack, three, graphs[4].graph, 4, kinds), Names.of(stack, three, full.graph, stack.depth, kinds)
 
 
 @dataclass(frozen=True)
@@ -196,7 +216,7 @@ def _grown(records: list[OpCostRecord], mine: list[OpCostRecord], theirs: list[O
         same_op = replace(deeper, flops=record.flops, read=record.read, written=record.written) == record
         if not same_op or count != 1 or deeper_count != 1 or not record.op.startswith(("aten._foreach_", "aten._fused_")):
             raise NotRepeating(f"the op {record.op} at {record.node} differs with one more block")
-        grow = lambda a, b: a + _times(b - a, blocks)
+        grow = lambda a, b: a + (b - a) * blocks
         out.append(
             replace(
                 original,
@@ -209,20 +229,7 @@ def _grown(records: list[OpCostRecord], mine: list[OpCostRecord], theirs: list[O
 
 
 def _run_lengths(records: Sequence[OpCostRecord]) -> list[tuple[OpCostRecord, int]]:
-    runs: list[tuple[OpCostRecord, int]] = []
-    for r in records:
-        if runs and runs[-1][0] == r:
-            runs[-1] = (r, runs[-1][1] + 1)
-        else:
-            runs.append((r, 1))
-    return runs
-
-
-def _times(x: ByteExpr, n: int) -> ByteExpr:
-    total = ByteExpr()
-    for _ in range(n):
-        total = total + x
-    return total
+    return [(record, len(list(run))) for record, run in itertools.groupby(records)]
 
 
 def extend_baseline(
