@@ -2,22 +2,23 @@
 
 Note [Repeated blocks]
     A 7B transformer is 32 copies of one block; simulating its step op by op pays 32 times for what
-    one block shows. fxmem simulates the model at two shallow depths instead (the block list cut to
-    its first 3 and 4 blocks), extends the 3-block step to the full depth by repeating the middle
-    block's events (fxmem/step/repeats.py), and keeps the result only where the same extension of
-    the 3-block step reproduces the 4-block step exactly, event for event; anywhere else the full
-    model is simulated. Cutting the list keeps every block's own name (``blocks.0`` to ``blocks.2``),
-    so the shallow steps' names are the full model's.
+    one block shows. fxmem runs the capture pass and simulates the step on the model cut to its first
+    3 and 4 blocks instead, extends the 3-block results to the full depth by repeating the middle
+    block's (fxmem/step/repeats.py), and keeps them only where the same extension of the 3-block
+    results reproduces the 4-block ones exactly, event for event and storage for storage; anywhere
+    else the whole model runs. Cutting the list keeps every block's own name (``blocks.0`` to
+    ``blocks.2``), so the shallow results' names are the full model's.
 
     A stack qualifies when it is an ``nn.ModuleList`` or ``nn.Sequential`` of at least
     ``MIN_DEPTH`` modules of one class whose parameters and buffers have the same names, shapes,
     dtypes and ``requires_grad``, none of them shared with another module (a tied weight makes one
     block's gradient differ from the others'), and whose plain settings are equal but for one that
     holds the block's own index (``layer_idx``): a list mixing sliding-window and global attention
-    layers is no stack. A block that branches on its own index at run time would pass these checks and
-    the 4-block check too if its first 4 blocks agree; such code is rare, and not caught. The model's forward must also run with fewer blocks:
-    one that reads its depth from elsewhere (a config's layer count) fails or differs at depth 4 and
-    is simulated in full.
+    layers is no stack. The model's forward must also run with fewer blocks: one that reads its
+    depth from elsewhere (a stored layer count) fails to trace, or differs at 4 blocks, and runs
+    whole. Not caught: a block that branches on its own index at run time where its first 4 blocks
+    agree (every sixth block global, say); such code reads a setting, which the check above sees, in
+    the models we know.
 """
 
 from __future__ import annotations
