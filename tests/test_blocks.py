@@ -3,6 +3,7 @@ blocks] in fxmem/frontends/blocks.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -70,3 +71,16 @@ def test_blocks_that_differ_only_by_a_setting_are_no_stack() -> None:
     assert find_block_stack(alike) is not None
     mixed = nn.Sequential(nn.ModuleList(Attention(i, "global" if i % 3 == 2 else "sliding") for i in range(MIN_DEPTH)))
     assert find_block_stack(mixed) is None
+
+
+def test_hugging_face_layers_that_alternate_attention_are_no_stack() -> None:
+    # Gemma 2 alternates sliding-window and global attention layers (a per-layer setting); Llama's are alike.
+    transformers = pytest.importorskip("transformers")
+    sizes = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": MIN_DEPTH}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    with torch.device("meta"):
+        gemma = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(**sizes, **heads))
+        llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**sizes, **heads))
+    assert find_block_stack(gemma) is None
+    stack = find_block_stack(llama)
+    assert stack is not None and (stack.path, stack.depth) == ("model.layers", MIN_DEPTH)
