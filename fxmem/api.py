@@ -99,10 +99,7 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    # An exported graph's capture runs whole (its weights are inputs, Note [Saved tensors from three
-    # blocks]): without the step, the shallow copies would serve nothing.
-    serves = peak or traced.frontend == "fx"
-    shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend) if serves else None
+    shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow)
     say("counting model state")
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
@@ -304,8 +301,6 @@ def _fast_capture(
     if shallow is None:
         return whole, lambda: "the whole model"
     stack, graphs = shallow
-    if _inputs(graphs[3]) != _inputs(gm):
-        return whole, lambda: "the whole model (its graph's inputs grow with its blocks: torch.export makes the weights inputs)"
     try:
         to_four, to_full = names_for(stack, graphs, gm, CAPTURED)
     except NotRepeating as e:
@@ -327,10 +322,6 @@ def _fast_capture(
         return whole(batch, seq)
 
     return run, lambda: path[0]
-
-
-def _inputs(gm: fx.GraphModule) -> list[str]:
-    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
 
 def _shallow_path(stack: BlockStack) -> str:

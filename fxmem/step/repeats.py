@@ -54,8 +54,8 @@ class NotRepeating(Exception):
 _RUNNING = ("call_function", "call_method", "call_module")
 """The nodes that run ops: the only ones a step's events are charged to (an exported graph's
 parameters are placeholders, whose number grows with the blocks)."""
-CAPTURED = (*_RUNNING, "get_attr")
-"""The nodes a capture lists besides the inputs."""
+CAPTURED = (*_RUNNING, "get_attr", "placeholder")
+"""The nodes a capture lists: all but the output."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,6 @@ class Names:
     """Shallow node name -> (block or None, its place among that block's nodes)."""
     target: Mapping[int | None, Sequence[str]]
 
-    inputs: tuple[str, ...] = ()
-    """The target graph's placeholders."""
-
     @staticmethod
     def of(stack: BlockStack, shallow: fx.Graph, full: fx.Graph, depth: int, kinds: tuple[str, ...] = _RUNNING) -> Names:
         """Names of the nodes of ``kinds`` (by default those that run ops). Raises NotRepeating unless
@@ -80,20 +77,19 @@ class Names:
         for n in shallow.nodes:
             if n.op not in kinds:
                 continue
-            layer = stack.layer_of(node_fqn(n))
+            layer = _block(stack, n)
             source[n.name] = (layer, counts.get(layer, 0))
             counts[layer] = counts.get(layer, 0) + 1
         target: dict[int | None, list[str]] = {}
         for n in full.nodes:
             if n.op in kinds:
-                target.setdefault(stack.layer_of(node_fqn(n)), []).append(n.name)
+                target.setdefault(_block(stack, n), []).append(n.name)
         per_block = {len(names) for layer, names in target.items() if layer is not None} | {
             count for layer, count in counts.items() if layer is not None
         }
         if len(per_block) != 1 or len(target.get(None, ())) != counts.get(None, 0) or len(target) != depth + (None in target):
             raise NotRepeating("the graphs differ outside the blocks, or their blocks differ")
-        inputs = tuple(n.name for n in full.nodes if n.op == "placeholder")
-        return Names(stack, source, target, inputs)
+        return Names(stack, source, target)
 
     def block_of_node(self, name: str) -> int | None:
         placed = self.source.get(name)
@@ -123,6 +119,12 @@ class Names:
     def fqn(self, fqn: str, to: Callable[[int], int]) -> str:
         layer = self.stack.layer_of(fqn)
         return fqn if layer is None else self.stack.with_layer(fqn, to(layer))
+
+
+def _block(stack: BlockStack, n: fx.Node) -> int | None:
+    """The block a node belongs to; for a weight read by ``get_attr``, the block its path names (an
+    exported graph's ``get_attr`` nodes carry no module stack)."""
+    return stack.layer_of(str(n.target)) if n.op == "get_attr" else stack.layer_of(node_fqn(n))
 
 
 def names_for(
@@ -496,21 +498,17 @@ def _renamed(c: OpCostRecord, to: Callable[[int], int], names: Names) -> OpCostR
 #     its saved storages, in the order the forward met them, read as one sweep over the blocks, and
 #     those of L blocks are the first block's, L - 2 copies of the middle one's and the last one's,
 #     renamed. It is kept only where the 3-block capture extended to 4 blocks is the 4-block
-#     capture, node for node and storage for storage. Graphs whose inputs differ with the depth
-#     (torch.export lifts each parameter to an input) are captured whole.
+#     capture, node for node and storage for storage. A weight read by a ``get_attr`` node belongs to
+#     the block its path names, as an exported graph's weights carry no module stack.
 
 
 def extend_capture(shallow: Capture, depth: int, to_depth: int, names: Names) -> Capture:
     """The capture of ``to_depth`` blocks from that of ``depth``: Note [Saved tensors from three blocks]."""
     if shallow.unsupported:
         raise NotRepeating("a node's saved bytes are not supported")
-    inputs = [i for i in shallow.nodes if i.op == "placeholder"]
-    if tuple(i.name for i in inputs) != names.inputs:
-        raise NotRepeating("the graph's inputs change with its depth")
-    others = [i for i in shallow.nodes if i.op != "placeholder"]
-    tags = [names.block_of_node(i.name) for i in others]
-    plan = _plan(["forward"] * len(others), tags, depth, to_depth)
-    infos = [*inputs, *(_renamed_info(others[c.index], c.to, names) for c in plan)]
+    tags = [names.block_of_node(i.name) for i in shallow.nodes]
+    plan = _plan(["forward"] * len(shallow.nodes), tags, depth, to_depth)
+    infos = [_renamed_info(shallow.nodes[c.index], c.to, names) for c in plan]
     saved_tags = [names.block_of_node(s.saved_by[0] if s.saved_by else s.node) for s in shallow.saved]  # the node running
     saved_plan = _plan(["forward"] * len(shallow.saved), saved_tags, depth, to_depth)
     saved = tuple(
@@ -518,12 +516,23 @@ def extend_capture(shallow: Capture, depth: int, to_depth: int, names: Names) ->
             shallow.saved[c.index],
             storage=k,
             node=names.node(shallow.saved[c.index].node, c.to),
-            saved_by=tuple(names.node(n, c.to) for n in shallow.saved[c.index].saved_by),
+            saved_by=_savers(shallow.saved[c.index].saved_by, c, depth, to_depth, names),
         )
         for k, c in enumerate(saved_plan)
     )
     return replace(shallow, nodes=tuple(infos), saved=saved)
 
 
+def _savers(savers: Sequence[str], copy: _Copy, depth: int, to_depth: int, names: Names) -> tuple[str, ...]:
+    """The nodes that saved a storage, renamed for the copy; a storage that every block saves (a rotary
+    table made once) is saved by every block's copy, its savers read as a sweep like the events."""
+    tags = [names.block_of_node(n) for n in savers]
+    if {t for t in tags if t is not None} != set(range(depth)):
+        return tuple(names.node(n, copy.to) for n in savers)
+    plan = _plan(["saved"] * len(savers), tags, depth, to_depth)
+    return tuple(names.node(savers[c.index], c.to) for c in plan)
+
+
 def _renamed_info(info: NodeInfo, to: Callable[[int], int], names: Names) -> NodeInfo:
-    return replace(info, name=names.node(info.name, to), fqn=names.fqn(info.fqn, to))
+    target = names.fqn(info.target, to) if info.op == "get_attr" else info.target  # a weight's target is its path
+    return replace(info, name=names.node(info.name, to), target=target, fqn=names.fqn(info.fqn, to))
