@@ -91,92 +91,28 @@ _depth = _whole_number(0, "is negative; 0 groups everything into one row, 1 by t
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help=f"the model: {_SPEC_HELP}")
-    p.add_argument(
-        "--input",
-        action="append",
-        metavar="SHAPE",
-        help="an input shape with B on the batch axis, e.g. B,3,224,224 or input_ids=B,1024:int64; repeat for several inputs (default: the model's own)",
-    )
-    p.add_argument(
-        "--arg",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a forward() keyword argument that is not a tensor, passed through unchanged: a JSON or Python literal (true, 0.5, null, [1, 2]), else a string, e.g. --arg return_loss=true; repeat for several",
-    )
+    p.add_argument("--input", action="append", metavar="SHAPE", help="an input shape with B on the batch axis, e.g. B,3,224,224 or input_ids=B,1024:int64; repeat for several inputs (default: the model's own)")
+    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a forward() keyword argument that is not a tensor, passed through unchanged: a JSON or Python literal (true, 0.5, null, [1, 2]), else a string, e.g. --arg return_loss=true; repeat for several")
     p.add_argument("--loss", choices=list(LOSSES), help="the loss of the step (default: the model's own, else sum)")
     p.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
-    p.add_argument(
-        "--frontend",
-        choices=FRONTENDS,
-        default="auto",
-        help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=_positive_int,
-        metavar="S",
-        help="the length a symbolic sequence axis S (--input B,S:int64) is evaluated at; for hf: specs also the length of the default inputs (default: the config's context, at most 2048)",
-    )
-    p.add_argument(
-        "--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256"
-    )
-    p.add_argument(
-        "--checkpoint", action="store_true", help="hf: specs: turn on transformers' activation checkpointing (every layer, non-reentrant)"
-    )
+    p.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
+    p.add_argument("--seq-len", type=_positive_int, metavar="S", help="the length a symbolic sequence axis S (--input B,S:int64) is evaluated at; for hf: specs also the length of the default inputs (default: the config's context, at most 2048)")
+    p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
+    p.add_argument("--checkpoint", action="store_true", help="hf: specs: turn on transformers' activation checkpointing (every layer, non-reentrant)")
 
 
 def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     """Where and how the step runs: target device and GPU, autocast, precision, sharding."""
     g = p.add_argument_group("training setup")
-    g.add_argument(
-        "--target",
-        choices=TARGETS,
-        default=target,
-        help=f"the device the step runs on (default {target}): cuda predicts what the GPU keeps (its kernels, caching allocator and fixed costs); cpu is what 'fxmem measure' checks exactly",
-    )
-    g.add_argument(
-        "--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU})"
-    )
-    g.add_argument(
-        "--amp", choices=list(AMP_DTYPES), help="run the forward and the loss under autocast in this dtype, with the target's cast policy"
-    )
-    g.add_argument(
-        "--precision",
-        choices=list(RECIPES),
-        metavar="RECIPE",
-        help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(k for k, r in RECIPES.items() if r.weight_dtype == torch.bfloat16)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights",
-    )
-    g.add_argument(
-        "--world-size",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch",
-    )
-    g.add_argument(
-        "--shard",
-        choices=SHARDS,
-        default="none",
-        help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)",
-    )
-    g.add_argument(
-        "--optimizer-impl",
-        choices=IMPLS,
-        help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)",
-    )
-    g.add_argument(
-        "--torch-version",
-        metavar="X.Y",
-        help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with",
-    )
-    g.add_argument(
-        "--overhead",
-        action="append",
-        default=[],
-        metavar="NAME=SIZE",
-        help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names",
-    )
+    g.add_argument("--target", choices=TARGETS, default=target, help=f"the device the step runs on (default {target}): cuda predicts what the GPU keeps (its kernels, caching allocator and fixed costs); cpu is what 'fxmem measure' checks exactly")
+    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU})")
+    g.add_argument("--amp", choices=list(AMP_DTYPES), help="run the forward and the loss under autocast in this dtype, with the target's cast policy")
+    g.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(k for k, r in RECIPES.items() if r.weight_dtype == torch.bfloat16)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights")
+    g.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
+    g.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
+    g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
+    g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
+    g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
 
 
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,65 +131,31 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="fxmem",
-        description="How much memory one training step of a PyTorch model needs, per layer, at every batch size.",
-        epilog=_SECURITY,
-    )
+    parser = _Parser(prog="fxmem", description="How much memory one training step of a PyTorch model needs, per layer, at every batch size.", epilog=_SECURITY)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     a = sub.add_parser("analyze", help="predict activations (a*B + c per layer), model state, totals and the batch that fits",
                        description="Predict the memory of one training step, from fake tensors: no weights, no data, no GPU.", epilog=_SECURITY)  # fmt: skip
     _model_options(a)
     a.add_argument("--batch", type=_positive_int, default=32, help="the batch size to evaluate at (default 32)")
     a.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
-    a.add_argument(
-        "--param-dtype",
-        metavar="DTYPE",
-        help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16",
-    )
+    a.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
     a.add_argument("--device-memory", metavar="SIZE", help="device memory, e.g. 80GiB or 24GB: report the largest batch that fits")
     a.add_argument("--depth", type=_depth, help="group layers by module path truncated to this many components")
     a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
     a.add_argument("--format", choices=FORMATS, default="table")
-    a.add_argument(
-        "--strict",
-        action="store_true",
-        help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it",
-    )
-    a.add_argument(
-        "--no-peak",
-        action="store_true",
-        help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries",
-    )
-    a.add_argument(
-        "--plot",
-        metavar="FILE.png",
-        help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')",
-    )
-    a.add_argument(
-        "--bn-threshold",
-        type=int,
-        default=BN_THRESHOLD,
-        metavar="N",
-        help=f"warn about batch-norm statistics when the per-GPU batch (chosen, or the largest that fits) is under N (default {BN_THRESHOLD})",
-    )
+    a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
+    a.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
+    a.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
+    a.add_argument("--bn-threshold", type=int, default=BN_THRESHOLD, metavar="N", help=f"warn about batch-norm statistics when the per-GPU batch (chosen, or the largest that fits) is under N (default {BN_THRESHOLD})")
     _setup_options(a)
     m = sub.add_parser("measure", help="run one real forward (or, with --peak, a whole step) on the CPU and print measured beside predicted",
                        description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
                        "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
     _model_options(m)
     m.add_argument("--batch", type=_positive_int, default=2, help="the batch size of the real run (default 2)")
-    m.add_argument(
-        "--peak",
-        action="store_true",
-        help="measure the peak of a whole real training step instead of the saved activations: with torch.profiler on the CPU, or torch.cuda.max_memory_allocated where CUDA is present",
-    )
+    m.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step instead of the saved activations: with torch.profiler on the CPU, or torch.cuda.max_memory_allocated where CUDA is present")
     m.add_argument("--optimizer", default="adamw", help="with --peak: the optimizer of the step (default adamw)")
-    m.add_argument(
-        "--first-step",
-        action="store_true",
-        help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)",
-    )
+    m.add_argument("--first-step", action="store_true", help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)")
     _setup_options(m, target="cuda" if torch.cuda.is_available() else "cpu")
     t = sub.add_parser("timeline", help="simulate one training step and show its memory over time, phase by phase",
                        description="Simulate one training step on fake tensors and show its memory phase by phase: where it peaks and what is alive there.", epilog=_SECURITY)  # fmt: skip
@@ -310,9 +212,7 @@ def _load(args: argparse.Namespace, say: Callable[[str], None]) -> ModelSpec:
     spec = load_model(args.spec, hf_config=_config_overrides(args.config), seq_len=args.seq_len, checkpoint=args.checkpoint)
     loss = args.loss or spec.loss
     if args.loss is None and loss not in LOSSES:
-        raise InputSpecError(
-            f"model '{args.spec}' asks for loss '{loss}', which fxmem does not know; pass --loss, one of {', '.join(LOSSES)}."
-        )
+        raise InputSpecError(f"model '{args.spec}' asks for loss '{loss}', which fxmem does not know; pass --loss, one of {', '.join(LOSSES)}.")
     return ModelSpec(spec.model, _inputs(args, spec), loss, spec.name or args.spec)
 
 
@@ -413,12 +313,7 @@ def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     )  # fmt: skip
     say(f"running the model for real on the CPU at B={args.batch}")
     measured = measure(
-        materialize(spec.model),
-        spec.inputs,
-        args.batch,
-        loss=spec.loss,
-        leaf_types=leaves,
-        frontend=report.frontend,
+        materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, leaf_types=leaves, frontend=report.frontend,
         seq_len=report.seq_len,
     )
     return _comparison(report, measured.nodes, measured.total, args.batch)
@@ -432,11 +327,7 @@ def _comparison(report: Report, nodes: dict[str, int], total: int, batch: int) -
     ]
     pred_total = report.activation_bytes(batch)
     rows.append(["Total (eager run)", format_bytes(total), format_bytes(pred_total)])
-    verdict = (
-        "exact"
-        if pred_total == total and all(nodes.get(k, 0) == v for k, v in predicted.items())
-        else f"differs by {pred_total - total:+d} B"
-    )
+    verdict = "exact" if pred_total == total and all(nodes.get(k, 0) == v for k, v in predicted.items()) else f"differs by {pred_total - total:+d} B"
     table = tabulate(rows, headers=["Layer", f"Measured at B={batch}", "Predicted"], disable_numparse=True)
     return f"{table}\n\nActivations at B={batch}: measured {total} B, predicted {pred_total} B: {verdict}.\n"
 
@@ -474,9 +365,7 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     predicted = report.peak(args.batch, first_step=args.first_step)
     device = args.target  # a GPU measures what the GPU keeps
     if device == "cuda" and not torch.cuda.is_available():
-        raise InputSpecError(
-            "measure --peak --target cuda runs the step on a GPU, and this machine has no CUDA device; use --target cpu here."
-        )
+        raise InputSpecError("measure --peak --target cuda runs the step on a GPU, and this machine has no CUDA device; use --target cpu here.")
     say(f"running one training step for real on the {device.upper()} at B={args.batch}")
     measured = measure_peak(
         materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step,

@@ -113,9 +113,7 @@ class Report:
 
     def _steps(self) -> Any:
         if self.steps is None:
-            raise NotSimulatedError(
-                f"the report of '{self.model}' was made with peak=False; call analyze() without it to get the step's peak."
-            )
+            raise NotSimulatedError(f"the report of '{self.model}' was made with peak=False; call analyze() without it to get the step's peak.")
         return self.steps
 
     def step_bytes(self, batch: int) -> int:
@@ -173,18 +171,7 @@ class Report:
         rows = []
         for b in batches:
             t = self.step_time(b)
-            rows.append(
-                TradeoffRow(
-                    b,
-                    self.state.total,
-                    self.activation_bytes(b),
-                    self.peak(b).bytes,
-                    self.step_bytes(b),
-                    t.seconds,
-                    t.samples_per_second(b),
-                    t.peak_share,
-                )
-            )
+            rows.append(TradeoffRow(b, self.state.total, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share))
         return tuple(rows)
 
     def batchnorm_caveat(self) -> str:

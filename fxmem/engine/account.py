@@ -49,7 +49,9 @@ def node_bytes_at(capture: Capture) -> dict[str, int]:
     return {node: sum(s.nbytes.at(capture.batch) for s in ts) for node, ts in _by_node(capture).items()}
 
 
-def account_bytes(symbolic: Capture | None, concrete: Mapping[int, Capture], *, note: str = "", batch_one_error: str = "") -> Accounting:
+def account_bytes(
+    symbolic: Capture | None, concrete: Mapping[int, Capture], *, note: str = "", batch_one_error: str = ""
+) -> Accounting:
     """Merge a symbolic pass (if it ran) with concrete passes into one record per node."""
     exact = {b: node_bytes_at(c) for b, c in concrete.items()}
     if symbolic is not None:

@@ -21,7 +21,9 @@ from fxmem.frontends.checkpointing import Region, checkpoint_regions
 
 __all__ = ["SIGNALS", "RegionInterpreter"]
 
-SIGNALS: tuple[type[BaseException], ...] = tuple(e for e in (getattr(torch_checkpoint, "_StopRecomputationError", None),) if e is not None)
+SIGNALS: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(torch_checkpoint, "_StopRecomputationError", None),) if e is not None
+)
 """Exceptions checkpoint raises through the region's nodes on purpose: early stop of a recomputation
 once it has made every tensor backward needs. Node error handlers must let them pass."""
 

@@ -184,11 +184,7 @@ def _attribute(module: ModuleType, attr: str, label: str, target: str) -> object
     if not hasattr(module, attr):
         names = [n for n, v in vars(module).items() if not n.startswith("_") and callable(v)]
         close = difflib.get_close_matches(attr, names, n=1)
-        hint = (
-            f" (did you mean '{close[0]}'?)"
-            if close
-            else f"; it defines {', '.join(sorted(names)[:12]) or 'nothing callable'}{', ...' if len(names) > 12 else ''}"
-        )
+        hint = f" (did you mean '{close[0]}'?)" if close else f"; it defines {', '.join(sorted(names)[:12]) or 'nothing callable'}{', ...' if len(names) > 12 else ''}"
         raise LoadError(f"{label}: '{target}' has no attribute '{attr}'{hint}.")
     return getattr(module, attr)
 
@@ -197,7 +193,8 @@ def _factory(module: ModuleType, attr: str, spec: str, target: str) -> Callable[
     factory = _attribute(module, attr, f"model spec '{spec}'", target)
     if not callable(factory):
         raise LoadError(
-            f"model spec '{spec}': '{attr}' is {_a(type(factory).__name__)}, not a factory; name a function or class that builds the model."
+            f"model spec '{spec}': '{attr}' is {_a(type(factory).__name__)}, not a factory; "
+            "name a function or class that builds the model."
         )
     return factory
 
@@ -224,11 +221,7 @@ def _call_factory(factory: Callable[..., object], name: str, *, meta: bool) -> M
 
 def _as_spec(built: object, name: str) -> ModelSpec:
     if isinstance(built, ModelSpec):
-        return (
-            ModelSpec(built.model, built.inputs, built.loss, built.name or name, built.extra)
-            if isinstance(built.model, nn.Module)
-            else _not_module(built.model, name)
-        )
+        return ModelSpec(built.model, built.inputs, built.loss, built.name or name, built.extra) if isinstance(built.model, nn.Module) else _not_module(built.model, name)
     if isinstance(built, nn.Module):
         return ModelSpec(built, (), name=name)
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):

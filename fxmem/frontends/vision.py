@@ -46,9 +46,7 @@ def torchvision_factory(name: str) -> Callable[[], ModelSpec]:
         models = _library("torchvision", spec).models
         available = set(models.list_models())
         if name not in available:
-            raise LoadError(
-                f"model spec '{spec}': torchvision has no model '{name}'; torchvision.models.list_models() lists {len(available)}."
-            )
+            raise LoadError(f"model spec '{spec}': torchvision has no model '{name}'; torchvision.models.list_models() lists {len(available)}.")
         model: nn.Module = models.get_model(name, weights=None)
         return ModelSpec(model, _inputs(_torchvision_size(models, name)), "cross_entropy", spec)
 
@@ -74,9 +72,7 @@ def timm_factory(name: str) -> Callable[[], ModelSpec]:
         try:
             model: nn.Module = timm.create_model(name, pretrained=False)
         except RuntimeError as e:
-            raise LoadError(
-                f"model spec '{spec}': timm cannot build '{name}' ({e}); timm.list_models('*{name[:6]}*') lists close names."
-            ) from e
+            raise LoadError(f"model spec '{spec}': timm cannot build '{name}' ({e}); timm.list_models('*{name[:6]}*') lists close names.") from e
         cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
         size = tuple(cfg.get("input_size", _DEFAULT_SIZE))
         return ModelSpec(model, _inputs(size), "cross_entropy", spec)

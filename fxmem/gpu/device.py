@@ -69,13 +69,7 @@ class DeviceModel:
 
 
 def device_model(
-    gpu: GpuSpec,
-    overrides: Mapping[str, int],
-    *,
-    fused: bool,
-    simulated: StateBytes,
-    per_gpu: PerGpuState,
-    release: TorchRelease | None = None,
+    gpu: GpuSpec, overrides: Mapping[str, int], *, fused: bool, simulated: StateBytes, per_gpu: PerGpuState, release: TorchRelease | None = None
 ) -> DeviceModel:
     """The device model for ``gpu``: ``simulated`` is the state the timeline holds (the model's own
     dtypes on one GPU), ``per_gpu`` what one GPU holds under the recipe and sharding stage."""

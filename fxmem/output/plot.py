@@ -73,15 +73,7 @@ def plot_batches(report: Report, path: str | Path, *, top: int = 10) -> Path:
     acts = [report.activation_bytes(b) / scale for b in sizes]
     inputs = [report.input_bytes(b) / scale for b in sizes]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.2, 1]})
-    left.stackplot(
-        sizes,
-        state,
-        acts,
-        inputs,
-        labels=["model state", "saved activations", "input batch"],
-        colors=["#4c72b0", "#55a868", "#937860"],
-        alpha=0.6,
-    )
+    left.stackplot(sizes, state, acts, inputs, labels=["model state", "saved activations", "input batch"], colors=["#4c72b0", "#55a868", "#937860"], alpha=0.6)
     if report.steps is not None:
         label = "GPU total of the step (nvidia-smi)" if report.steps.device is not None else "peak of the step"
         left.plot(sizes, [report.step_bytes(b) / scale for b in sizes], "k-", lw=2, label=label)
@@ -182,3 +174,4 @@ def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     finally:
         plt.close(fig)
     return out
+

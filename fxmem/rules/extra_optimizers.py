@@ -237,13 +237,8 @@ class Adafactor(torch.optim.Adafactor):
 
 
 def _adafactor_loop(
-    params: list[Tensor],
-    grads: list[Tensor],
-    rows: list[Tensor | None],
-    cols: list[Tensor | None],
-    variances: list[Tensor | None],
-    steps: list[float],
-    group: dict[str, Any],
+    params: list[Tensor], grads: list[Tensor], rows: list[Tensor | None], cols: list[Tensor | None],
+    variances: list[Tensor | None], steps: list[float], group: dict[str, Any],
 ) -> None:
     for p, g, row, col, var, step in zip(params, grads, rows, cols, variances, steps):
         eps1, lr, decay = _adafactor_scalars(p, step, group)
@@ -263,13 +258,8 @@ def _adafactor_loop(
 
 
 def _adafactor_foreach(
-    params: list[Tensor],
-    grads: list[Tensor],
-    rows: list[Tensor | None],
-    cols: list[Tensor | None],
-    variances: list[Tensor | None],
-    steps: list[float],
-    group: dict[str, Any],
+    params: list[Tensor], grads: list[Tensor], rows: list[Tensor | None], cols: list[Tensor | None],
+    variances: list[Tensor | None], steps: list[float], group: dict[str, Any],
 ) -> None:
     """torch groups matrices and vectors apart and updates each group with _foreach ops; so do we."""
     for factored in (True, False):

@@ -127,15 +127,8 @@ class ConvShape:
     ) -> ConvShape:
         ints = lambda xs: tuple(int(x) for x in xs)
         return cls(
-            int(weight.shape[1]),
-            int(weight.shape[0]),
-            inp.element_size(),
-            ints(weight.shape[2:]),
-            ints(stride),
-            ints(padding),
-            any(int(d) != 1 for d in dilation),
-            ints(inp.shape[2:]),
-            ints(out_spatial),
+            int(weight.shape[1]), int(weight.shape[0]), inp.element_size(), ints(weight.shape[2:]), ints(stride), ints(padding),
+            any(int(d) != 1 for d in dilation), ints(inp.shape[2:]), ints(out_spatial),
         )
 
     @property
@@ -159,9 +152,7 @@ class ConvShape:
         return any(s != 1 for s in self.stride)
 
 
-def onednn_convolution(
-    inp: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int
-) -> bool:
+def onednn_convolution(inp: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int) -> bool:
     """Whether the rules of Note [CPU oneDNN convolution buffers] describe this convolution."""
     if transposed or groups != 1 or inp.dim() not in (4, 5) or inp.dtype != torch.float32:
         return False
@@ -362,13 +353,8 @@ def _hw_transposed(conv: ConvShape) -> bool:
     """oneDNN's ``is_hw_transp``: a 2-D kernel as wide as its input (14 to 19), one output column,
     stride 1, no padding."""
     return (
-        conv.dim == 2
-        and conv.out[1] == 1
-        and conv.kernel[1] == conv.inp[1]
-        and 14 <= conv.kernel[1] < 20
-        and conv.stride == (1, 1)
-        and conv.pad == (0, 0)
-        and not conv.dilated
+        conv.dim == 2 and conv.out[1] == 1 and conv.kernel[1] == conv.inp[1] and 14 <= conv.kernel[1] < 20
+        and conv.stride == (1, 1) and conv.pad == (0, 0) and not conv.dilated
     )
 
 

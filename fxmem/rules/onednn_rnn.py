@@ -121,7 +121,9 @@ def get_good_ld(dim: int, itemsize: int) -> int:
 
 def _itemsize(dtype: torch.dtype) -> int:
     if dtype not in _ONEDNN_DTYPES:
-        raise ValueError(f"oneDNN LSTM training workspace is only produced for float32/bfloat16, got {dtype}")
+        raise ValueError(
+            f"oneDNN LSTM training workspace is only produced for float32/bfloat16, got {dtype}"
+        )
     return torch.empty((), dtype=dtype).element_size()
 
 

@@ -139,26 +139,17 @@ def register_optimizer(rule: OptimizerRule) -> OptimizerRule:
 register_optimizer(OptimizerRule("sgd", "plain SGD: no state", 0, False, lambda p, **f: torch.optim.SGD(p, lr=0.1, **f), _WITH_FUSED))
 register_optimizer(
     OptimizerRule(
-        "sgd-momentum",
-        "SGD with momentum: one momentum buffer",
-        1,
-        False,
-        lambda p, **f: torch.optim.SGD(p, lr=0.1, momentum=0.9, **f),
-        _WITH_FUSED,
+        "sgd-momentum", "SGD with momentum: one momentum buffer", 1, False, lambda p, **f: torch.optim.SGD(p, lr=0.1, momentum=0.9, **f), _WITH_FUSED
     )
 )
 register_optimizer(
     OptimizerRule("adam", "Adam: exp_avg and exp_avg_sq, plus a step scalar", 2, True, lambda p, **f: torch.optim.Adam(p, **f), _WITH_FUSED)
 )
 register_optimizer(
-    OptimizerRule(
-        "adamw", "AdamW: exp_avg and exp_avg_sq, plus a step scalar", 2, True, lambda p, **f: torch.optim.AdamW(p, **f), _WITH_FUSED
-    )
+    OptimizerRule("adamw", "AdamW: exp_avg and exp_avg_sq, plus a step scalar", 2, True, lambda p, **f: torch.optim.AdamW(p, **f), _WITH_FUSED)
 )
 register_optimizer(
-    OptimizerRule(
-        "adagrad", "Adagrad: one sum buffer, plus a step scalar", 1, True, lambda p, **f: torch.optim.Adagrad(p, **f), _WITH_FUSED
-    )
+    OptimizerRule("adagrad", "Adagrad: one sum buffer, plus a step scalar", 1, True, lambda p, **f: torch.optim.Adagrad(p, **f), _WITH_FUSED)
 )
 register_optimizer(
     OptimizerRule("rmsprop", "RMSprop: square_avg, plus a step scalar", 1, True, lambda p, **f: torch.optim.RMSprop(p, **f), _TORCH_IMPLS)
@@ -173,9 +164,7 @@ register_optimizer(
         _TORCH_IMPLS,
     )
 )
-register_optimizer(
-    OptimizerRule("lion", "Lion (Chen et al. 2023): one exp_avg buffer, no step", 1, False, lambda p, **f: Lion(p, **f), _TORCH_IMPLS)
-)
+register_optimizer(OptimizerRule("lion", "Lion (Chen et al. 2023): one exp_avg buffer, no step", 1, False, lambda p, **f: Lion(p, **f), _TORCH_IMPLS))
 register_optimizer(
     OptimizerRule(
         "adam8bit",

@@ -73,34 +73,18 @@ RECIPES: Mapping[str, PrecisionRecipe] = MappingProxyType(
             PrecisionRecipe(
                 "amp",
                 "torch.autocast over fp32 weights: state as fp32 (4 + 4 + state); the bf16/fp16 weight copies are activations",
-                _F32,
-                _F32,
-                None,
-                _F32,
+                _F32, _F32, None, _F32,
             ),
-            PrecisionRecipe(
-                "bf16",
-                "pure bf16, model.to(torch.bfloat16): weights, gradients and optimizer state in bf16 (2 + 2 + state)",
-                _BF16,
-                _BF16,
-                None,
-                _BF16,
-            ),
+            PrecisionRecipe("bf16", "pure bf16, model.to(torch.bfloat16): weights, gradients and optimizer state in bf16 (2 + 2 + state)", _BF16, _BF16, None, _BF16),
             PrecisionRecipe(
                 "mixed",
                 "Megatron/DeepSpeed mixed precision: bf16/fp16 weights and gradients, fp32 master copy and optimizer state (2 + 2 + 4 + state)",
-                _BF16,
-                _BF16,
-                _F32,
-                _F32,
+                _BF16, _BF16, _F32, _F32,
             ),
             PrecisionRecipe(
                 "mixed-fp32-grads",
                 "bf16 weights, fp32 gradient accumulation, fp32 master copy and optimizer state (2 + 4 + 4 + state)",
-                _BF16,
-                _F32,
-                _F32,
-                _F32,
+                _BF16, _F32, _F32, _F32,
             ),
         )
     }
@@ -113,7 +97,5 @@ section 3.1): fp16 weights and gradients, then an fp32 master copy, momentum and
 def get_recipe(name: str) -> PrecisionRecipe:
     """Validate a recipe name at the boundary."""
     if name not in RECIPES:
-        raise InputSpecError(
-            f"unknown precision '{name}'; use one of: {', '.join(RECIPES)} (see fxmem.step.precision for what each holds)."
-        )
+        raise InputSpecError(f"unknown precision '{name}'; use one of: {', '.join(RECIPES)} (see fxmem.step.precision for what each holds).")
     return RECIPES[name]
