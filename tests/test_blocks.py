@@ -84,3 +84,20 @@ def test_hugging_face_layers_that_alternate_attention_are_no_stack() -> None:
     assert find_block_stack(gemma) is None
     stack = find_block_stack(llama)
     assert stack is not None and (stack.path, stack.depth) == ("model.layers", MIN_DEPTH)
+
+
+class Blocks(nn.Sequential):
+    """A Sequential subclass whose constructor takes no modules: cut_to must not call it."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__(*(nn.Linear(4, 4) for _ in range(depth)))
+
+
+def test_cut_to_keeps_a_list_subclass_and_its_forward() -> None:
+    model = nn.Sequential(Blocks(MIN_DEPTH))
+    stack = find_block_stack(model)
+    assert stack is not None
+    with cut_to(model, stack, 3) as cut:
+        assert type(cut[0]) is Blocks and len(cut[0]) == 3
+        assert cut(torch.ones(2, 4)).shape == (2, 4)
+    assert len(model[0]) == MIN_DEPTH

@@ -24,6 +24,7 @@ Note [Repeated blocks]
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,7 +83,9 @@ def cut_to(model: nn.Module, stack: BlockStack, depth: int) -> Iterator[nn.Modul
     parent_path, _, name = stack.path.rpartition(".")
     parent = model.get_submodule(parent_path)
     full = getattr(parent, name)
-    setattr(parent, name, type(full)(*list(full)[:depth]) if isinstance(full, nn.Sequential) else nn.ModuleList(list(full)[:depth]))
+    cut = copy.copy(full)  # the list's own class and forward, whatever its constructor takes
+    cut._modules = dict(list(full._modules.items())[:depth])
+    setattr(parent, name, cut)
     try:
         yield model
     finally:
