@@ -21,7 +21,7 @@ from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
-from fxmem.rules.ops import op_rules_for, workspace_rules_for
+from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.step.peak import StepPeaks
 from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
@@ -166,7 +166,7 @@ def _simulate_steps(
     the report's own batch now (so that a failing step fails analyze), concrete ones on demand.
     With ``shallow`` (a block stack and the model cut to 3 and 4 blocks), each is made from the
     shallow steps where they extend exactly, else by simulating the whole model (Note [Repeated blocks])."""
-    rules, workspaces = op_rules_for(setup.target), workspace_rules_for(setup.target)
+    rules, workspaces, layouts = op_rules_for(setup.target), workspace_rules_for(setup.target), layout_rules_for(setup.target)
     kernels = setup.kernels()
 
     def simulate(graph: fx.GraphModule, b: int | None) -> Timeline:
@@ -183,6 +183,7 @@ def _simulate_steps(
             kernels=kernels,
             optimizer_impl=impl,
             state_dtype=setup.state_dtype,
+            layouts=layouts,
         )
 
     fast, path = _fast_path(gm, shallow, simulate)
@@ -352,7 +353,7 @@ def _pass(
     gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, strict: bool, setup: TrainingSetup
 ) -> Callable[[int | None, int | None], Capture]:
     """One fake pass at (batch, seq); None makes that axis symbolic."""
-    rules, kernels = op_rules_for(setup.target), setup.kernels()
+    rules, layouts, kernels = op_rules_for(setup.target), layout_rules_for(setup.target), setup.kernels()
 
     def run(batch: int | None, seq: int | None) -> Capture:
         return capture_saved(
@@ -366,6 +367,7 @@ def _pass(
             strict=strict,
             kernels=kernels,
             state_dtype=setup.state_dtype,
+            layouts=layouts,
         )
 
     return run

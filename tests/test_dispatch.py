@@ -8,6 +8,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.engine.dispatch import OpRuleMode
+from fxmem.rules.ops import layout_rules_for
 from tests.helpers import assert_step_peak
 
 _A = torch.ops.aten
@@ -84,3 +85,33 @@ class PaddedTail(nn.Module):
 def test_padded_tail_step_peak(first_step: bool) -> None:
     model, inputs = PaddedTail(), ["B,4,7,3"]
     assert_step_peak(model, inputs, 4, loss="mse", first_step=first_step)
+
+
+_NORM_LAYOUTS = [
+    # (shape made contiguous, permutation): a transposed sequence, transposed spatial axes, a batch
+    # moved inward, a 5-d one, channels-last (kept), and 2-d
+    ((2, 4, 6), (0, 2, 1)), ((2, 6, 3, 4), (0, 1, 3, 2)), ((3, 2, 6, 4), (1, 2, 0, 3)),
+    ((2, 6, 3, 4, 5), (0, 1, 4, 2, 3)), ((2, 3, 4, 6), (0, 3, 1, 2)), ((6, 4), (1, 0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "permutation"), _NORM_LAYOUTS)
+def test_batch_norm_outputs_have_the_cpu_kernel_layout(shape: tuple[int, ...], permutation: tuple[int, ...]) -> None:
+    """Note [Batch norm outputs in the suggested layout]: the output and the input's gradient of a
+    CPU batch norm have the strides eager gives them (not the fake kernel's, which keep the input's)."""
+
+    def norm_and_gradient(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        weight, bias = torch.ones(x.shape[1]), torch.zeros(x.shape[1])
+        out, mean, invstd = _A.native_batch_norm(x, weight, bias, None, None, True, 0.1, 1e-5)
+        grad = _A.native_batch_norm_backward(torch.ones_like(out), x, weight, None, None, mean, invstd, True, 1e-5, [True, True, True])
+        return tuple(out.stride()), tuple(grad[0].stride())
+
+    x = torch.randn(*shape).permute(*permutation)
+    eager = norm_and_gradient(x)
+    with FakeTensorMode() as mode, OpRuleMode({}, {}, layout_rules_for("cpu")):
+        fake = norm_and_gradient(mode.from_tensor(x))
+    with FakeTensorMode() as mode:
+        unruled = norm_and_gradient(mode.from_tensor(x))
+    assert fake == eager
+    if not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last):
+        assert unruled != eager  # the fake kernel alone keeps the input's strides: the rule is needed

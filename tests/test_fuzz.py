@@ -87,13 +87,11 @@ PEAK_EXAMPLES = {"fuzz-ci": 100, "fuzz-dev": 25, "fuzz-nightly": 1000}
 """Peak cases checked per profile (each a real CPU step twice, about 0.4 s)."""
 _CONVOLUTIONS = ("conv", "conv_transpose", "convnext")
 """Features the peak check holds only on AVX512 CPUs (see ``peak_checkable``)."""
-_OPEN = ("sdpa", "mha")
-"""Features whose layers the peak check leaves out (Note [Peaks the fuzzer does not hold yet])."""
 
 
 def _peak_cases() -> st.SearchStrategy[FuzzCase]:
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    features = [f for f in FEATURES if f not in _OPEN and (avx512 or f not in _CONVOLUTIONS)]
+    features = [f for f in FEATURES if avx512 or f not in _CONVOLUTIONS]
     float32_cpu = lambda f: fuzz_cases(feature=f, dtypes=(torch.float32,), devices=("cpu",))
     return st.sampled_from(features).flatmap(float32_cpu)
 

@@ -23,9 +23,7 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def assert_matches(
-    model: nn.Module, inputs: Sequence[str], *, loss: str = "sum", batches: Sequence[int] = (1, 2, 3, 5)
-) -> fxmem.Report:
+def assert_matches(model: nn.Module, inputs: Sequence[str], *, loss: str = "sum", batches: Sequence[int] = (1, 2, 3, 5)) -> fxmem.Report:
     """analyze's total and per-node bytes equal measure's at every batch size in ``batches``."""
     report = fxmem.analyze(model, inputs, loss=loss, target="cpu")
     for b in batches:
@@ -101,6 +99,37 @@ def test_interpolate_keeps_the_cpu_kernel_layout() -> None:
     report = assert_matches(SequenceFirstUpsample(), ["2,B,1"])
     for b in (1, 2, 3, 5):
         assert {k: v for k, v in report.node_bytes(b).items() if v} == {"interpolate": 16 * b}
+
+
+# --- BatchNorm1d over a transposed sequence: the CPU kernel's output is contiguous ------------------
+# See Note [Batch norm outputs in the suggested layout] in fxmem/rules/ops.py. Found by
+# ``benchmarks/fuzz.py --seed 3`` (bfloat16; float32 the same).
+
+
+class TransposedNorm(nn.Module):
+    """(B, L, C) -> (B, C, L) -> BatchNorm1d(C) -> Linear over L."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6)
+        self.proj = nn.Linear(4, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x.transpose(1, 2)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_norm_output_is_contiguous_on_the_cpu(dtype: torch.dtype) -> None:
+    # The input (B, 4, 6) is the input batch (not counted). The norm saves its transposed input (not
+    # counted: the input's storage) and save_mean and save_invstd, 6 elements each (the CPU keeps them
+    # in the weights' dtype where it is the input's: 12e bytes); eager
+    # makes its output contiguous, so the Linear's (B*6, 4) reshape is a view: the Linear saves the
+    # norm's output, 24 elements a sample, charged to the norm. Before the layout rule the fake output
+    # stayed transposed, the reshape copied it and the 24B elements moved to the Linear.
+    e = torch.finfo(dtype).bits // 8
+    report = assert_matches(TransposedNorm().to(dtype), [f"B,4,6:{str(dtype).removeprefix('torch.')}"], batches=(2, 3, 5))
+    for b in (2, 3, 5):
+        assert {k: v for k, v in report.node_bytes(b).items() if v} == {"norm": 24 * e * b + 12 * e}
 
 
 # --- ConvTranspose3d: the native CPU kernel makes its output like its input ----------------------

@@ -34,7 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from fxmem.engine.binding import bind_inputs, fake_like, state_kinds, swapped_state
-from fxmem.engine.dispatch import DtypeMismatch, OpRule, OpRuleMode
+from fxmem.engine.dispatch import DtypeMismatch, LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.losses import Loss
 from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
@@ -344,6 +344,7 @@ def capture_saved(
     strict: bool = False,
     kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     state_dtype: torch.dtype | None = None,
+    layouts: Mapping[str, LayoutRule] | None = None,
 ) -> Capture:
     """Run ``gm`` on fake tensors at a concrete ``batch``, or with a symbolic B when ``batch`` is None.
 
@@ -358,7 +359,7 @@ def capture_saved(
         book = _new_book(gm, tensors_of(specs, fake.inputs), fake.symbols.get("B"), fake.symbols.get("S"))
         book.strict = strict
         values = bind_inputs(gm, specs, fake.inputs, model)
-        with fake.mode, OpRuleMode(rules, book.overrides), kernels():
+        with fake.mode, OpRuleMode(rules, book.overrides, layouts), kernels():
             infos = _run(gm, book, values, loss, model)
     fake.check_symbols()
     try:

@@ -18,13 +18,28 @@ import torch._refs
 from torch._C import DispatchKey
 from torch._prims_common import suggest_memory_format
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DtypeMismatch", "OpRule", "OpRuleMode", "check_operand_dtypes"]
+__all__ = ["DtypeMismatch", "LayoutRule", "OpRule", "OpRuleMode", "check_operand_dtypes"]
 
 OpRule = Callable[[Sequence[Any], Mapping[str, Any], Any], Mapping[int, object]]
 """An op rule gets an aten op's (args, kwargs, output) and returns {output index: true nbytes}
 for outputs whose fake storage under-reports what the real kernel allocates."""
+LayoutRule = Callable[[Sequence[Any], Mapping[str, Any], Any], Mapping[int, tuple[Any, ...]]]
+"""A layout rule gets an aten op's (args, kwargs, output) and returns {output index: strides} for
+outputs that the real kernel lays out otherwise than the fake one."""
+
+
+def _restride(out: Any, strides: Mapping[int, tuple[Any, ...]]) -> None:
+    """Give outputs the strides their real kernel gives them: a change of metadata, no allocation, made
+    below every mode (the tracker and autograd see the output as the real kernel returns it)."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    for index, wanted in strides.items():
+        t = outs[index]
+        if isinstance(t, torch.Tensor) and tuple(t.stride()) != tuple(wanted):
+            with no_dispatch():
+                t.as_strided_(t.shape, wanted)
 
 
 def _constant_pad_nd(x: torch.Tensor, pad: Sequence[Any], value: float = 0.0) -> Any:
@@ -78,6 +93,9 @@ reference (both allocate one output of the padded size, so what autograd saves i
 gradients of Note [Loss gradients in the legacy layout] in the layout their real kernels give."""
 
 
+_aten = torch.ops.aten
+
+
 # Note [Operand dtypes]
 #     A real matmul or convolution kernel refuses operands of two floating dtypes; the fake kernels of
 #     several (mm, addmm, addbmm, mv, _addmm_activation: torch/_meta_registrations.py) do not check,
@@ -100,7 +118,6 @@ gradients of Note [Loss gradients in the legacy layout] in the layout their real
 #     mixed-dtype layer under autocast passes, as it does for real. The ``.dtype`` overloads of the
 #     matmuls (an explicit out_dtype) are left to torch's own checks.
 
-_aten = torch.ops.aten
 _INPUT_WEIGHT, _INPUT_WEIGHT_BIAS = ("input", "weight"), ("input", "weight", "bias")
 _MATMUL_OPERANDS: dict[Any, tuple[str, ...]] = {
     _aten.mm: ("self", "mat2"),
@@ -219,10 +236,13 @@ def _eager_decomposes(func: Any) -> bool:
 class OpRuleMode(TorchDispatchMode):
     """Applies op rules: records the true size of storages whose fake kernels under-report them."""
 
-    def __init__(self, rules: Mapping[str, OpRule], overrides: dict[StorageWeakRef, object]) -> None:
+    def __init__(
+        self, rules: Mapping[str, OpRule], overrides: dict[StorageWeakRef, object], layouts: Mapping[str, LayoutRule] | None = None
+    ) -> None:
         super().__init__()
         self.rules = rules
         self.overrides = overrides
+        self.layouts = layouts or {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -236,7 +256,11 @@ class OpRuleMode(TorchDispatchMode):
             # the C++ decomposition eager uses, keeps SymInt sizes symbolic (as make_fx's mode does).
             return func._op_dk(DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
         out = func(*args, **kwargs)
-        rule = self.rules.get(str(func.overloadpacket))
+        packet = str(func.overloadpacket)
+        layout = self.layouts.get(packet)
+        if layout is not None:
+            _restride(out, layout(args, kwargs, out))
+        rule = self.rules.get(packet)
         if rule is not None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for index, nbytes in rule(args, kwargs, out).items():

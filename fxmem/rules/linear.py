@@ -21,6 +21,15 @@ Note [linear's bias on fake tensors]
     saves its operands, ``add`` and ``add_`` nothing). Under CPU autocast it leaves ``linear`` alone:
     autocast casts the bias with the operands, below this mode, and the two paths differ only by that
     cast. The cuda target's mode (fxmem/gpu/target.py) applies the same branch after its own casts.
+
+Note [The attention mask added in place]
+    The CPU's math attention (``_scaled_dot_product_attention_math``, attention.cpp) adds the mask to
+    the scores in place (``attn.add_(mask)``) unless a tensor is subclass-like, so on fake tensors it
+    makes a second (B, H, L, S) score tensor that eager never holds. While
+    ``F.scaled_dot_product_attention`` runs under ``LinearAsReal``, ``in_attention()`` is true, and the
+    timeline counts an ``add`` onto the tensor the op before it made (the scores) as that in-place add,
+    as it does for an RNN's bias. The flash kernel adds nothing; the cuda target runs its own math
+    path (Note [The math path on the cuda target] in fxmem/rules/sdpa.py).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LinearAsReal", "in_aten_rnn", "linear_as_real", "takes_matmul_path"]
+__all__ = ["LinearAsReal", "in_aten_rnn", "in_attention", "linear_as_real", "takes_matmul_path"]
 
 _LINEAR_ARGS = ("input", "weight", "bias")
 _ATEN_RNNS = frozenset({"lstm", "gru", "rnn_tanh", "rnn_relu"})
@@ -42,6 +51,14 @@ _IN_ATEN_RNN: contextvars.ContextVar[bool] = contextvars.ContextVar("fxmem_in_at
 def in_aten_rnn() -> bool:
     """Whether one of ATen's RNN functions is running (its ``at::linear`` calls are C++'s own)."""
     return _IN_ATEN_RNN.get()
+
+
+_IN_ATTENTION: contextvars.ContextVar[bool] = contextvars.ContextVar("fxmem_in_attention", default=False)
+
+
+def in_attention() -> bool:
+    """Whether ``F.scaled_dot_product_attention`` is running (Note [The attention mask added in place])."""
+    return _IN_ATTENTION.get()
 
 
 def takes_matmul_path(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -78,11 +95,9 @@ class LinearAsReal(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) in _ATEN_RNNS and getattr(func, "__module__", None) in (None, "torch", "torch._VF"):
-            token = _IN_ATEN_RNN.set(True)
-            try:
-                return func(*args, **kwargs)
-            finally:
-                _IN_ATEN_RNN.reset(token)
+            return _running(_IN_ATEN_RNN, func, args, kwargs)
+        if func is torch._C._nn.scaled_dot_product_attention:
+            return _running(_IN_ATTENTION, func, args, kwargs)
         if is_linear(func) and not torch.is_autocast_enabled("cpu"):
             x, weight, bias = linear_arguments(args, kwargs)
             if isinstance(x, torch.Tensor) and isinstance(bias, torch.Tensor):
@@ -90,3 +105,12 @@ class LinearAsReal(TorchFunctionMode):
                 if out is not None:
                     return out
         return func(*args, **kwargs)
+
+
+def _running(flag: contextvars.ContextVar[bool], func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """Call ``func`` with ``flag`` set while it runs."""
+    token = flag.set(True)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        flag.reset(token)

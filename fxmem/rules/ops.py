@@ -13,6 +13,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from torch._prims_common import (
+    is_channels_last_contiguous_or_false,
+    is_contiguous_or_false,
+    make_channels_last_strides_for,
+    make_contiguous_strides_for,
+    suggest_memory_format,
+)
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxmem.rules import Registry
@@ -30,7 +37,17 @@ from fxmem.rules.sdpa_buffers import (
     softmax_backward_workspace,
 )
 
-__all__ = ["OP_RULES", "WORKSPACE_RULES", "op_rules_for", "register_op_rule", "register_workspace_rule", "workspace_rules_for"]
+__all__ = [
+    "LAYOUT_RULES",
+    "OP_RULES",
+    "WORKSPACE_RULES",
+    "layout_rules_for",
+    "op_rules_for",
+    "register_layout_rule",
+    "register_op_rule",
+    "register_workspace_rule",
+    "workspace_rules_for",
+]
 
 OpKey = tuple[str, str]
 """(aten op packet, e.g. ``'aten.mkldnn_rnn_layer'``; device type, e.g. ``'cpu'``)."""
@@ -192,6 +209,56 @@ for _loss in _INPUT_SIZED_LOSSES:
     register_op_rule((_loss, "cpu"))(loss_value_storage)
 
 
+# Output layouts: where a real kernel lays an output out otherwise than its fake kernel, the bytes
+# agree but what runs after may not (a reshape that is a view of one layout copies the other). Each
+# rule returns {output index: the real kernel's strides}; dispatch.py's OpRuleMode sets them.
+
+LAYOUT_RULES: Registry[OpKey, Any] = Registry("layout rule")
+register_layout_rule = LAYOUT_RULES.register
+
+
+def layout_rules_for(device: str, rules: Registry[OpKey, Any] = LAYOUT_RULES) -> dict[str, Any]:
+    """The layout rules for one device, keyed by op packet name, as dispatch.py applies them."""
+    return {op: rule for (op, dev), rule in rules.rules().items() if dev == device}
+
+
+# Note [Batch norm outputs in the suggested layout]
+#     The CPU kernels of batch norm (batch_norm_cpu and batch_norm_backward_cpu in
+#     aten/src/ATen/native/Normalization.cpp) make the output and the input's gradient with
+#     ``at::empty_like(input, input.suggest_memory_format())``: contiguous, or channels-last where the
+#     input is laid out so. Their fake kernels keep the input's strides, as CUDA's native kernel does
+#     (``batch_norm_cuda``: ``at::empty_like(self)``), so the rule is the CPU's only. A permuted
+#     (B, C, L) input (a sequence transposed into channels) gets a contiguous output in eager and a
+#     transposed one on fake tensors, and a Linear after it copied that output in its reshape on fake
+#     tensors only: the fuzzer (seed 3) saw the bytes charged to the Linear that eager charges to the
+#     norm. Measured against eager CPU on 2-, 3-, 4- and 5-d layouts (tests/test_dispatch.py).
+
+
+def _suggested_strides(t: Any) -> tuple[Any, ...]:
+    if suggest_memory_format(t) == torch.contiguous_format:
+        return tuple(make_contiguous_strides_for(t.shape))
+    return tuple(make_channels_last_strides_for(t.shape))
+
+
+def _batch_norm_layout(input_index: int) -> Any:
+    def rule(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> dict[int, tuple[Any, ...]]:
+        inp = args[input_index]
+        first = out[0]
+        if not isinstance(first, torch.Tensor) or first.dim() < 2 or first.shape != inp.shape:
+            return {}
+        return {0: _suggested_strides(inp)}
+
+    rule.__doc__ = "The output's layout: Note [Batch norm outputs in the suggested layout]."
+    return rule
+
+
+for _op in ("aten.native_batch_norm", "aten._native_batch_norm_legit", "aten._native_batch_norm_legit_functional",
+            "aten._batch_norm_with_update", "aten._batch_norm_with_update_functional"):  # fmt: skip
+    register_layout_rule((_op, "cpu"))(_batch_norm_layout(0))
+for _op in ("aten.native_batch_norm_backward", "aten.batch_norm_backward"):
+    register_layout_rule((_op, "cpu"))(_batch_norm_layout(1))
+
+
 # Kernel workspaces: memory a kernel allocates and frees inside one op, owned by no tensor the op
 # returns, so fake tensors never see it. Each rule returns the workspace's bytes (0 for none); the
 # timeline charges it as a temporary alive, with the op's outputs, for the length of the op.
@@ -330,6 +397,45 @@ def mkldnn_rnn_layer_backward_workspace(args: Sequence[Any], kwargs: Mapping[str
     return undefined * batch * hidden * e + gates * e + weights + scratch + _RNN_SCRATCH_FIXED + grad_copy
 
 
+# Note [CPU oneDNN LSTM forward buffers]
+#     aten.mkldnn_rnn_layer (one layer and direction, input already (T, N, I)) allocates, besides its
+#     outputs and all freed inside: the two biases summed into one 4H row, both weight matrices
+#     reordered to oneDNN's layout (I, and H, rows by ``get_good_ld(4H)``), and the primitive's
+#     scratchpad. The scratchpad holds the scratch gates, rounded up to a page, for all T time steps
+#     where oneDNN merges the layer's GEMM over the sequence and for one step where it does not; it
+#     merges in the forward pass only below 128 samples (``merge_gemm_layer`` in oneDNN's
+#     rnn_utils). Beside them are two N x ``get_good_ld(H)`` state rows, each rounded to a page, and
+#     4664 bytes that no shape moved:
+#         4H + (I + H) ld4H + page(T' N ld4H) + 2 page(N ldH) + 4664 bytes, f32, T' = T if N < 128 else 1.
+#     The same with or without grad mode, trained or frozen weights, biases or none, and 1, 2 or 4
+#     threads: measured with the profiler on 36 random shapes per thread count (T 1..30, N 1..300, I
+#     and H 1..300) with no byte's difference (tests/test_workspaces.py). The fuzzer's frozen 2-layer
+#     LSTM (H = 64, B = 1), whose forward is the step's peak, was 37% low without it.
+
+_RNN_FORWARD_FIXED = 4664
+_MERGED_GEMM_BELOW = 128
+
+
+def _page(nbytes: int) -> int:
+    return -(-nbytes // PAGE_SIZE) * PAGE_SIZE
+
+
+@register_workspace_rule(("aten.mkldnn_rnn_layer", "cpu"))
+def mkldnn_rnn_layer_forward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The oneDNN LSTM forward's transient buffers; see Note [CPU oneDNN LSTM forward buffers]. The CPU
+    LSTM runs on concrete sizes only (Note [Concrete passes] in fxmem/engine/account.py)."""
+    inp = args[0]
+    if inp.dtype != torch.float32:
+        return 0
+    seq, batch, input_size = (int(d) for d in inp.shape)
+    hidden = int(args[10])
+    e = inp.element_size()
+    ld = get_good_ld(4 * hidden, e)
+    steps = seq if batch < _MERGED_GEMM_BELOW else 1
+    weights = 4 * hidden * e + (input_size + hidden) * ld * e
+    return weights + _page(steps * batch * ld * e) + 2 * _page(batch * get_good_ld(hidden, e) * e) + _RNN_FORWARD_FIXED
+
+
 # Note [CPU matmul operand copies]
 #     ATen's CPU addmm/mm (addmm_impl_cpu_ in aten/src/ATen/native/LinearAlgebra.cpp) hands BLAS an
 #     operand as it is when its strides make it a row- or column-major matrix (one unit stride, the
@@ -372,22 +478,63 @@ def addmm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: An
     return _operand_copies(args[1], args[2])
 
 
+# Note [CPU batched matmul operand copies]
+#     ATen's CPU bmm and baddbmm (bmm_out_or_baddbmm_ in LinearAlgebra.cpp) multiply small problems,
+#     under 400 multiply-adds a slice (contraction x rows x columns), in a loop of their own, and
+#     otherwise call addmm_impl_cpu_ once per batch slice: each slice's operands are cloned as in Note
+#     [CPU matmul operand copies], one slice at a time, so the workspace is one slice of each operand
+#     BLAS cannot take. The gradient of attention's weights (the math path's bmm of the output's
+#     gradient with v transposed) copies this way. Measured with the profiler on shapes above and
+#     below the 400, 25 layout pairs each, float32 (tests/test_workspaces.py); the peak fuzzer's SDPA
+#     with dropout was 1% low without it.
+
+_BATCHED_LOOP_BELOW = 400
+
+
+@register_workspace_rule(("aten.bmm", "cpu"))
+def bmm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """One slice's clones of the operands BLAS cannot take; see Note [CPU batched matmul operand copies]."""
+    return _batched_operand_copies(args[0], args[1])
+
+
+@register_workspace_rule(("aten.baddbmm", "cpu"))
+def baddbmm_operand_copies(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """One slice's clones of the operands BLAS cannot take; see Note [CPU batched matmul operand copies]."""
+    return _batched_operand_copies(args[1], args[2])
+
+
+def _batched_operand_copies(batch1: Any, batch2: Any) -> object:
+    if batch1.dim() != 3 or batch2.dim() != 3 or batch1.shape[0] == 0:
+        return 0
+    (_, rows, inner), columns = batch1.shape, batch2.shape[2]
+    if not statically_known_true(rows * inner * columns >= _BATCHED_LOOP_BELOW):
+        return 0
+    return _operand_copies(batch1[0], batch2[0])
+
+
 # cuDNN's RNNs on the cuda target (fxmem/rules/cudnn_rnn.py): the reserve its meta kernel leaves empty
 # (Note [cuDNN RNN reserve]), the forward's and backward's workspaces (Note [cuDNN RNN workspace],
 # Note [cuDNN RNN backward buffers]).
+# The math attention's ``_safe_softmax`` makes the same buffers on the CPU as on CUDA (Note [SDPA
+# kernels' own buffers on CUDA] in sdpa_buffers.py): the -inf marks, one bool a row and the zero,
+# all dying with the op (the profiler on torch 2.13; tests/test_workspaces.py).
+register_workspace_rule(("aten._safe_softmax", "cpu"))(safe_softmax_workspace)
+
+
 # Note [CPU flash attention buffers]
 #     The CPU's fused attention (aten._scaled_dot_product_flash_attention_for_cpu, FlashAttentionKernel.cpp)
 #     works in blocks of qSplit query rows by kvSplit keys: qSplit is 256 from 768 queries, 64 from 192,
 #     else 32, kvSplit is 512 from 512 keys, each capped at the length. Each of at::get_num_threads()
 #     threads gets its own float32 scratch: the forward a qSplit x kvSplit score block, a running max
 #     and sum per row and a qSplit x head_dim output block; the backward a score block and its gradient
-#     (2 x qSplit x kvSplit) and a row sum. All die with the op. Measured with the profiler on torch 2.13
-#     (float32, 1 and 2 threads, 5 to 1000 queries, masks, 511-520 keys; tests/test_workspaces.py):
-#     the forward's is exact on every shape. Where the gradient of the output is not laid out as the
-#     kernel wants it (its (B, S, H, D) order), the backward also copies it; that copy and the backward's
-#     bookkeeping of the gradients' strides are not modelled, so for several heads the backward's line
-#     is a lower bound. Only float32 with a concrete sequence length is covered: reduced precision adds
-#     more buffers, and a symbolic length leaves the block sizes open.
+#     (2 x qSplit x kvSplit), with one qSplit row sum for all threads. The backward works in the
+#     kernel's (B, S, H, D) order: where the output's gradient, seen so (``grad_out.transpose(1, 2)``),
+#     is not contiguous (a gradient that reached it as (B, H, S, D) rows, as nn.MultiheadAttention's
+#     does), it is first copied, a tensor of its size. All die with the op. Measured with the profiler
+#     on torch 2.13 (float32, 1, 2 and 4 threads, 5 to 1000 queries, masks, 511-520 keys, both
+#     gradient layouts; tests/test_workspaces.py): exact on every shape. Only float32 with a concrete
+#     sequence length is covered: reduced precision adds more buffers, and a symbolic length leaves the
+#     block sizes open.
 
 
 def _concrete(*sizes: Any) -> bool:
@@ -415,7 +562,9 @@ def cpu_flash_attention_backward_workspace(args: Sequence[Any], kwargs: Mapping[
     if q.dtype != torch.float32 or not _concrete(q.shape[-2], k.shape[-2]):
         return 0
     q_split, kv_split = _flash_splits(int(q.shape[-2]), int(k.shape[-2]))
-    return torch.get_num_threads() * (2 * q_split * kv_split + q_split) * 4
+    grad_out = args[0]
+    copy = 0 if is_contiguous_or_false(grad_out.transpose(1, 2)) else grad_out.numel() * grad_out.element_size()
+    return (torch.get_num_threads() * 2 * q_split * kv_split + q_split) * 4 + copy
 
 
 register_workspace_rule(("aten._scaled_dot_product_flash_attention_for_cpu", "cpu"))(cpu_flash_attention_workspace)
@@ -559,6 +708,29 @@ def cpu_upsample_nearest3d_backward_workspace(args: Sequence[Any], kwargs: Mappi
     return _bytes(grad)
 
 
+# Note [CPU 2-D upsampling works channels-last]
+#     The CPU kernels of 2-D nearest, nearest-exact and bilinear upsampling (UpSampleKernel.cpp) work
+#     on channels-last tensors: an input that is not channels-last contiguous is copied to that layout
+#     first, and where the output they return is not channels-last contiguous (a contiguous NCHW
+#     input's output is not), they compute into a channels-last temporary and copy it over. Both die
+#     with the op. A one-channel tensor is both layouts at once: no copy. The fake kernels show the
+#     output only. Measured with the profiler on torch 2.13, float32: 192 cases of shape, layout
+#     (contiguous, channels-last, transposed, channel-sliced), mode, align_corners and output size,
+#     every one to the byte (tests/test_workspaces.py). The peak fuzzer found it through a model whose
+#     forward peaked at an upsampling (3.6% low).
+
+
+def cpu_upsample_2d_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The channels-last copies of input and output; see Note [CPU 2-D upsampling works channels-last]."""
+    inp = args[0]
+    if inp.dtype != torch.float32 or inp.dim() != 4 or not isinstance(out, torch.Tensor):
+        return 0
+    copies = [t for t in (inp, out) if not is_channels_last_contiguous_or_false(t)]
+    return sum((_bytes(t) for t in copies), 0)
+
+
+for _op in ("upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bilinear2d"):
+    register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_upsample_2d_workspace)
 for _op in _POOLING_BACKWARD:
     register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_pooling_backward_workspace)
 for _op, _at in _MAX_POOLING_BACKWARD.items():

@@ -32,6 +32,22 @@ Note [Categories are decided afterwards]
     whatever autograd saved (seen by a saved-tensor pack hook) or the model output. Every storage is
     numbered at its allocation and given its category when the step has ended.
 
+Note [Gradients summed in place]
+    Where a tensor feeds several ops, autograd sums its gradients in the input buffer of the node
+    that made it (InputBuffer::accumulate, torch/csrc/autograd/input_buffer.cpp). With grad mode off
+    (backward without create_graph) it adds in place into the buffered gradient when the buffer holds
+    its last reference and the gradient is dense, so the sum costs no memory; otherwise ``old + new``.
+    It never adds in place when a dispatch mode is active or a tensor is a subclass
+    (``isTensorSubclassLike``): on fake tensors, and under this tracker, every sum is a new
+    gradient-sized allocation that a real step does not make (an attention block that splits one
+    projection into q, k and v was 2.4% high in backward). The tracker emulates the eager rule: it
+    marks, with a pre- and a post-hook on every autograd node, the moments between nodes when the
+    engine sums; an ``add`` there whose first operand is dense, not a view (whose base shares its
+    storage: a linear's input gradient reshaped back to (B, S, E) is one, and eager sums into it out
+    of place), and dies as the sum is made (the buffer held its last reference, as eager's use counts
+    require) is taken as done in place: the sum keeps the old gradient's storage, and neither the
+    allocation nor the release is recorded.
+
 Note [Steady step from first step]
     A first step creates the optimizer state inside ``step()``; a steady step starts with it. The ops
     are otherwise the same (AdamW's and SGD's updates do not depend on whether state was just made),
@@ -43,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -51,13 +68,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxmem.engine.binding import bind_inputs, swapped_state
 from fxmem.engine.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
-from fxmem.engine.dispatch import OpRule, OpRuleMode
+from fxmem.engine.dispatch import LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.flops import OpCost, is_view_like, op_cost
 from fxmem.engine.losses import Loss
 from fxmem.engine.recompute import SIGNALS as CHECKPOINT_SIGNALS
@@ -67,7 +85,7 @@ from fxmem.frontends.checkpointing import Region
 from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
-from fxmem.rules.linear import in_aten_rnn
+from fxmem.rules.linear import in_aten_rnn, in_attention
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
 
@@ -149,6 +167,10 @@ class _Tracker(TorchDispatchMode):
     """Live storages no weakref watches: asked ``expired()`` at every poll."""
     newest: int = -1
     """The number of the storage an op's output was given last."""
+    between_nodes: bool = False
+    """Whether backward is between two autograd nodes, where the engine sums gradients (Note [Gradients summed in place])."""
+    summed: tuple[StorageWeakRef, StorageWeakRef] | None = None
+    """(buffered gradient, the sum just made of it) where the sum may have been made in place."""
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -165,6 +187,7 @@ class _Tracker(TorchDispatchMode):
     def poll(self, context: str | None = None) -> None:
         """Record the release of every storage that has died since the last poll, oldest first, as
         seen while ``context`` (a module path; the running one when None) runs."""
+        self._settle_sum()
         dead = [key for key in self.scanned if key.expired()]
         if self.deaths:
             dead += self.deaths
@@ -176,6 +199,46 @@ class _Tracker(TorchDispatchMode):
             self.raw.append(_Raw(False, self.live.pop(key), self.phase, self.fqn if context is None else context))
             self.watchers.pop(key, None)
             self.scanned.discard(key)
+
+    def _settle_sum(self) -> None:
+        """Where the gradient an ``add`` summed into died with the sum, count the sum as made in its
+        storage, in place, as eager makes it (Note [Gradients summed in place])."""
+        if self.summed is None:
+            return
+        (old, new), self.summed = self.summed, None
+        last = self.raw[-1] if self.raw else None
+        if not old.expired() or old not in self.live or last is None or not last.alloc or last.storage is not self.live.get(new):
+            return
+        self.raw.pop()
+        self.live[new] = self.live.pop(old)
+        self.watchers.pop(old, None)
+        self.scanned.discard(old)
+        self.deaths = [key for key in self.deaths if key != old]
+        self.newest = -1
+
+    def node_starts(self, *_: object) -> None:
+        self.between_nodes = False
+
+    def node_ends(self, *_: object) -> None:
+        self.between_nodes = True
+
+    def _may_sum_in_place(self, func: Any, args: Any, kwargs: Mapping[str, Any], out: Any) -> bool:
+        """An engine's sum of two gradients that eager could make in place (Note [Gradients summed in place])."""
+        if func is not aten.add.Tensor or kwargs or len(args) != 2 or not self.between_nodes or self.recomputing:
+            return False
+        old, new = args
+        return (
+            self.phase == Phase.BACKWARD
+            and not torch.is_grad_enabled()
+            and isinstance(old, torch.Tensor)
+            and isinstance(new, torch.Tensor)
+            and old.layout == new.layout == torch.strided
+            and old.shape == out.shape
+            and old.dtype == out.dtype
+            and is_non_overlapping_and_dense_or_false(old)
+            and not old._is_view()  # a view's base holds its storage too: eager's storage use count is 2
+            and StorageWeakRef(old.untyped_storage()) in self.live
+        )
 
     def _watch_death(self, key: StorageWeakRef, storage: torch.UntypedStorage) -> None:
         if self._watch:
@@ -199,11 +262,13 @@ class _Tracker(TorchDispatchMode):
         rule = self.rules.get(op)
         sizes = rule(args, kwargs, out) if rule is not None else {}
         label = f"{op} (recomputed)" if self.recomputing else op
-        if _rnn_bias_add(func, args) and self._adds_in_place(args[0], out):
+        if _adds_in_place_for_real(func, args) and self._adds_in_place(args[0], out):
             outs = ()
         for i, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
                 self._allocated(t, sizes.get(i), *self._foreach_owner(op, args, i, (node, fqn)), label)
+        if self._may_sum_in_place(func, args, kwargs, out):
+            self.summed = (StorageWeakRef(args[0].untyped_storage()), StorageWeakRef(out.untyped_storage()))
         cost = op_cost(func, args, kwargs, out)
         if cost is not None and not is_view_like(func):
             self.costs.append((self.phase, node, fqn, op, _compute_dtype(args), cost))
@@ -290,12 +355,18 @@ class _Tracker(TorchDispatchMode):
         return self.node, self.fqn
 
 
-def _rnn_bias_add(func: Any, args: Any) -> bool:
-    """An ``add`` of a 1-D bias inside ATen's C++ RNN: ``at::linear``'s, in place on real tensors."""
-    if func is not aten.add.Tensor or not in_aten_rnn() or len(args) < 2:
+def _adds_in_place_for_real(func: Any, args: Any) -> bool:
+    """An ``add`` that real tensors make in place where fake ones cannot: a 1-D bias inside ATen's C++
+    RNN (``at::linear``'s) or the mask inside the CPU's math attention (Note [The attention mask added
+    in place] in fxmem/rules/linear.py)."""
+    if func is not aten.add.Tensor or len(args) < 2:
         return False
-    x, bias = args[0], args[1]
-    return isinstance(x, torch.Tensor) and isinstance(bias, torch.Tensor) and bias.dim() == 1 and x.dim() >= 2
+    x, other = args[0], args[1]
+    if not isinstance(x, torch.Tensor) or not isinstance(other, torch.Tensor):
+        return False
+    if in_attention():
+        return True
+    return in_aten_rnn() and other.dim() == 1 and x.dim() >= 2
 
 
 @functools.cache
@@ -371,8 +442,31 @@ class _Forward(RegionInterpreter):
         except Exception as e:
             symbols = (self.fake.symbols.get("B"), self.fake.symbols.get("S"))
             raise node_error(n, self.env, symbols, self.model_label, e) from e
+        if n.op == "get_attr" and _traced_constant(str(n.target)) and isinstance(out, torch.Tensor):
+            out = out.clone()  # Note [Tensors made while tracing]
         _label_autograd(out, (n.name, node_fqn(n)))
         return out
+
+
+# Note [Tensors made while tracing]
+#     A tensor the forward makes from nothing but Python values (``torch.ones(S, S).tril()``, an
+#     attention mask) is computed once by fx's tracer and kept in the graph as a constant,
+#     ``_tensor_constant0``, which GraphModule registers as a buffer. Eager makes it anew in every
+#     forward, where the code runs, and frees it when nothing holds it. As a buffer it would sit in
+#     the baseline for the whole step: a 33 x 33 bool mask made in the forward was 1,089 bytes high at
+#     the backward's peak (3% of a small attention model's, tests/test_timeline.py). The timeline
+#     leaves such constants out of the baseline and has each get_attr of one hand on a fresh copy, an
+#     allocation at that node, released when its value is last used, as eager's is. fx places the
+#     get_attr where the constant is first used, so a tensor made long before its use (a mask built
+#     at the top of forward) is counted from its use on, as are not the temporaries that made it
+#     (``ones`` before ``tril``): the forward's peak can then be low by those bytes.
+
+_TRACED_CONSTANT = re.compile(r"_tensor_constant\d+")
+
+
+def _traced_constant(name: str) -> bool:
+    """Whether a graph attribute is a tensor fx's tracer computed from the forward's code (Note [Tensors made while tracing])."""
+    return _TRACED_CONSTANT.fullmatch(name) is not None
 
 
 def _hold_python_locals(interpreter: fx.Interpreter) -> None:
@@ -433,6 +527,7 @@ def simulate_step(
     kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     optimizer_impl: str | None = None,
     state_dtype: torch.dtype | None = None,
+    layouts: Mapping[str, LayoutRule] | None = None,
 ) -> Timeline:
     """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
 
@@ -449,8 +544,9 @@ def simulate_step(
         for name, p in params.items():
             tracker.adopt(p, Category.PARAMETER)
             tracker.names[StorageWeakRef(p.untyped_storage())] = name
-        for b in gm.buffers():
-            tracker.adopt(b, Category.BUFFER)
+        for name, b in gm.named_buffers():
+            if not _traced_constant(name):  # made by the forward, each step: Note [Tensors made while tracing]
+                tracker.adopt(b, Category.BUFFER)
         for t in tensors_of(specs, fake.inputs):
             tracker.adopt(t, Category.INPUT)
         values = bind_inputs(gm, specs, fake.inputs, model)
@@ -460,7 +556,7 @@ def simulate_step(
             # OpRuleMode on top only decomposes composite ops as eager CPU does, so that their inner ops
             # reach the tracker below it one by one; the tracker applies the op rules itself, since it
             # must know a storage's true size when it records the allocation.
-            with tracker, OpRuleMode({}, {}), _host_rng_states(tracker):
+            with tracker, OpRuleMode({}, {}, layouts), _host_rng_states(tracker):
                 categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels)
     fake.check_symbols()
     return _timeline(tracker, categories, batch, fake)
@@ -502,7 +598,8 @@ def _run_step(
     _label_accumulators(params, value)
     tracker.phase = Phase.BACKWARD
     if value.requires_grad:  # nothing to differentiate when every parameter is frozen
-        _guarded(fake, model, "backward()", value.backward)
+        with _node_hooks(tracker, value):
+            _guarded(fake, model, "backward()", value.backward)
     tracker.poll()
     tracker.phase, tracker.node, tracker.fqn = Phase.OPTIMIZER, "optimizer.step", ""
     for name, p in params.items():
@@ -518,6 +615,25 @@ def _run_step(
         tracker.poll()
     del out, value
     return categories
+
+
+@contextlib.contextmanager
+def _node_hooks(tracker: _Tracker, value: torch.Tensor) -> Iterator[None]:
+    """Tell the tracker when backward is between autograd nodes: Note [Gradients summed in place]."""
+    handles, seen, stack = [], set(), [value.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        handles += [fn.register_prehook(tracker.node_starts), fn.register_hook(tracker.node_ends)]
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        tracker.between_nodes = False
 
 
 @contextlib.contextmanager
