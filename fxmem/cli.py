@@ -30,7 +30,7 @@ from fxmem.frontends.tracing import FRONTENDS
 from fxmem.gpu.gpus import GPUS
 from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse_inputs, parse_size
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
-from fxmem.output.render import FORMATS, format_bytes, render, render_timeline
+from fxmem.output.render import FORMATS, MAX_ROWS, format_bytes, render, render_timeline
 from fxmem.report import Report
 from fxmem.results import ModelSpec, Peak
 from fxmem.rules.optimizers import OPTIMIZERS
@@ -86,7 +86,19 @@ def _whole_number(minimum: int, below: str) -> Callable[[str], int]:
 
 
 _positive_int = _whole_number(1, "is not a positive integer; it must be 1 or more")
-_depth = _whole_number(0, "is negative; 0 groups everything into one row, 1 by top-level module")
+_depth_number = _whole_number(0, "is negative; 0 groups everything into one row, 1 by top-level module, 'all' lists every module path")
+
+
+def _depth(text: str) -> int | str:
+    """--depth: 'all' (every module path in full) or a whole number of path components; not given, the
+    table's depth is chosen to fit a screen (render.choose_depth) and JSON and CSV list every path."""
+    if text == "all":
+        return "all"
+    if not text.lstrip("+-").isdigit():
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is neither a whole number nor 'all'; e.g. --depth 2, or --depth all for every module path"
+        )
+    return _depth_number(text)
 
 
 def _model_options(p: argparse.ArgumentParser) -> None:
@@ -140,12 +152,13 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
     a.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
     a.add_argument("--device-memory", metavar="SIZE", help="device memory, e.g. 80GiB or 24GB: report the largest batch that fits")
-    a.add_argument("--depth", type=_depth, help="group layers by module path truncated to this many components")
+    a.add_argument("--depth", type=_depth, metavar="K|all", help=f"group layers by module path truncated to K components, or 'all' for every module path (default: the deepest grouping with at most {MAX_ROWS} rows, full paths with --top; JSON and CSV: every module path)")
     a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
     a.add_argument("--format", choices=FORMATS, default="table")
     a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
     a.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
     a.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
+    a.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained web page (module tree, the step's memory over time, the batch trade-off); open it in any browser")
     a.add_argument("--bn-threshold", type=int, default=BN_THRESHOLD, metavar="N", help=f"warn about batch-norm statistics when the per-GPU batch (chosen, or the largest that fits) is under N (default {BN_THRESHOLD})")
     _setup_options(a)
     m = sub.add_parser("measure", help="run one real forward (or, with --peak, a whole step) on the CPU and print measured beside predicted",
@@ -298,7 +311,20 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         plot_batches(report, args.plot)
         if args.format != "json":
             text += f"\nWrote {args.plot}.\n"
+    if args.html:
+        say(f"writing {args.html}")
+        _write_page(args.html, report.to_html())
+        if args.format != "json":
+            text += f"\nWrote {args.html}.\n"
     return text
+
+
+def _write_page(path: str, page: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as e:
+        raise InputSpecError(f"--html: cannot write the page to '{path}': {e.strerror or e}; pick a writable path ending in .html.") from e
 
 
 def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:

@@ -16,7 +16,8 @@ from fxmem.cost.tradeoff import TradeoffRow, batches_to_try, batchnorm_caveat, f
 from fxmem.errors import NotSimulatedError
 from fxmem.gpu.gpus import get_gpu
 from fxmem.inputs import InputSpec, check_batch
-from fxmem.output.render import group_layers, render, to_dict
+from fxmem.output.html_report import to_html
+from fxmem.output.render import Depth, group_layers, render, to_dict
 from fxmem.results import Accounting, EnvelopePiece, LayerRow, NodeRecord, Peak, StateBytes, Timeline, Verdict
 from fxmem.symbolic import ByteExpr
 
@@ -188,14 +189,31 @@ class Report:
         (the roofline estimates time on it)."""
         return get_gpu(self.setup.gpu if self.setup is not None else "h100-80gb")
 
-    def layers(self, depth: int | None = None) -> tuple[LayerRow, ...]:
+    def layers(self, depth: Depth = None) -> tuple[LayerRow, ...]:
+        """Activation bytes per module path (None or "all": full paths; a number: paths cut to that many components)."""
         return group_layers(self, depth)
 
     def to_dict(self) -> dict[str, object]:
         return to_dict(self)
 
     def __str__(self) -> str:
+        """The terminal's report: the answer first, then the layers grouped to fit a screen (fxmem/output/render.py)."""
         return render(self)
+
+    def _repr_html_(self) -> str:
+        """What Jupyter shows for a bare ``report`` instead of the dataclass repr: the same report as ``str``,
+        in plain HTML tables (no JavaScript, no stylesheet)."""
+        return render(self, "html")
+
+    def _repr_markdown_(self) -> str:
+        """The same report as GitHub markdown, for frontends that show markdown but not HTML."""
+        return render(self, "markdown")
+
+    def to_html(self, batch: int | None = None) -> str:
+        """One self-contained HTML page: the module tree's saved bytes as an icicle, the step's memory
+        over time with its peak, the batch trade-off and the summary, evaluated at ``batch`` (the
+        report's own when None); inline SVG, nothing fetched (fxmem/output/html_report.py)."""
+        return to_html(self, batch)
 
 
 def _largest_fitting(total: Callable[[int], int], budget: int, upper: int | None = None) -> int:

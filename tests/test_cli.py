@@ -62,6 +62,30 @@ def test_depth_groups_by_top_level_module(capsys: pytest.CaptureFixture[str]) ->
     assert "layer1" in names and not any("." in n for n in names)
 
 
+def _layer_names(text: str) -> list[str]:
+    """The first cell of each row of the layer table, Total row excluded."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Layer ")) + 2  # header, rule
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("Total activations"))
+    return [re.split(r"\s{2,}", line)[0] for line in lines[start:end]]
+
+
+def test_depth_all_and_the_default_depth(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["analyze", "zoo:resnet50:test", "--no-peak", "--target", "cpu"]
+    paths = [layer["layer"] for layer in json.loads(run(capsys, *argv, "--format", "json"))["layers"]]
+    assert len(paths) > 25 and any(p.count(".") == 2 for p in paths)  # JSON: every module path by default
+    assert _layer_names(run(capsys, *argv, "--depth", "all")) == paths
+    default = run(capsys, *argv)
+    assert len(_layer_names(default)) <= 25 and not any(p.count(".") == 2 for p in _layer_names(default))
+    assert f"--depth all lists all {len(paths)}." in default
+
+
+def test_a_bad_depth_is_one_line_naming_the_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["analyze", MLP, "--depth", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --depth: 'foo' is neither a whole number nor 'all'" in err
+
+
 def test_top_names_the_share_of_the_k_largest(capsys: pytest.CaptureFixture[str]) -> None:
     out = run(capsys, "analyze", MLP, "--top", "3")
     match = re.search(r"^3 layers hold (\d+\.\d)% of activation memory at B=32\.$", out, re.M)

@@ -47,7 +47,7 @@ def test_max_batch_and_the_no_fit_verdict() -> None:
 
 def test_rows_sum_to_the_total_at_every_depth() -> None:
     report = analyze_on_meta(lambda: nn.Sequential(nn.Sequential(nn.Linear(8, 32), nn.ReLU()), nn.LayerNorm(32), nn.Linear(32, 4)), ["B,8"], "cross_entropy")
-    for depth in (None, 0, 1, 2):
+    for depth in (None, "all", 0, 1, 2):
         rows = report.layers(depth)
         for b in (1, 7):
             assert sum(r.at(b) for r in rows) == report.activation_bytes(b)

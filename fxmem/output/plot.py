@@ -16,10 +16,10 @@ from fxmem.results import Category, Timeline
 if TYPE_CHECKING:
     from fxmem.report import Report
 
-__all__ = ["plot_batches", "plot_timeline"]
+__all__ = ["CATEGORY_COLORS", "category_series", "plot_batches", "plot_timeline"]
 
 _GIB = 2**30
-_COLORS = {
+CATEGORY_COLORS = {
     Category.PARAMETER: "#4c72b0",
     Category.BUFFER: "#64b5cd",
     Category.GRADIENT: "#dd8452",
@@ -28,6 +28,7 @@ _COLORS = {
     Category.ACTIVATION: "#55a868",
     Category.TEMPORARY: "#c44e52",
 }
+"""One colour per category, shared by the PNG and the HTML page (fxmem/output/html_report.py)."""
 
 
 def _unit(largest: float) -> tuple[str, float]:
@@ -123,12 +124,14 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "", seq:
     b = timeline.batch if timeline.batch is not None else batch
     if b is None:
         raise InputSpecError("plot_timeline: a timeline with a symbolic batch needs batch=B to be drawn.")
-    series = _series(timeline, b, seq)
+    series = category_series(timeline, b, seq)
     fig, ax = plt.subplots(figsize=(12, 5))
     xs = list(range(len(series[Category.PARAMETER])))
     order = [c for c in Category if any(series[c])]
     unit, scale = _unit(max(sum(series[c][i] for c in Category) for i in xs))
-    ax.stackplot(xs, *[[v / scale for v in series[c]] for c in order], labels=[c.value for c in order], colors=[_COLORS[c] for c in order])
+    ax.stackplot(
+        xs, *[[v / scale for v in series[c]] for c in order], labels=[c.value for c in order], colors=[CATEGORY_COLORS[c] for c in order]
+    )
     _mark_phases(ax, timeline)
     ax.set_xlabel("allocations and releases, in order")
     ax.set_ylabel(unit)
@@ -139,7 +142,8 @@ def plot_timeline(timeline: Timeline, path: str | Path, *, title: str = "", seq:
     return _save(fig, plt, path)
 
 
-def _series(timeline: Timeline, batch: int, seq: int | None) -> dict[Category, list[int]]:
+def category_series(timeline: Timeline, batch: int, seq: int | None) -> dict[Category, list[int]]:
+    """Live bytes per category before the first event (index 0) and after each event (index i + 1)."""
     live = {c: timeline.baseline.get(c, None) for c in Category}
     now = {c: (e.at(batch, seq) if e is not None else 0) for c, e in live.items()}
     series: dict[Category, list[int]] = {c: [now[c]] for c in Category}
@@ -174,4 +178,3 @@ def _save(fig: Any, plt: Any, path: str | Path) -> Path:
     finally:
         plt.close(fig)
     return out
-

@@ -1,4 +1,4 @@
-"""A Report as text (table, markdown, csv) or as a JSON-ready dict. Never prints.
+"""A Report as text (table, markdown, csv), as an HTML fragment for notebooks, or as a JSON-ready dict. Never prints.
 
 The per-layer rows always add up to the activation total: every node's bytes land in exactly one row.
 """
@@ -8,12 +8,16 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from html import escape
+from typing import TYPE_CHECKING, Any, Literal
 
 from tabulate import tabulate
 
+from fxmem.errors import InputSpecError
 from fxmem.inputs import Constant, InputSpec, dtype_name, format_dims
 from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Timeline
 
@@ -22,10 +26,26 @@ if TYPE_CHECKING:
 from fxmem.cost.tradeoff import flop_exprs, memory_bound, node_costs, node_flop_exprs
 from fxmem.symbolic import ByteExpr
 
-__all__ = ["FORMATS", "format_bytes", "format_count", "group_layers", "render", "render_timeline", "to_dict"]
+__all__ = [
+    "FORMATS",
+    "MAX_ROWS",
+    "Depth",
+    "abbreviate_ops",
+    "choose_depth",
+    "dominating_rows",
+    "format_bytes",
+    "format_count",
+    "group_layers",
+    "render",
+    "render_timeline",
+    "to_dict",
+]
 
 FORMATS = ("table", "markdown", "csv", "json")
+"""What ``fxmem analyze --format`` offers; ``render`` also writes "html", the fragment a notebook shows."""
 TOP_LEVEL = "(top level)"
+MARK = "*"
+"""Marks the dominating rows of a screen table (``dominating_rows``), explained under it."""
 _TOTAL_AND_PEAK = (
     "Total = model state + saved activations + the input batch. Peak = the highest point of a whole "
     "training step (forward, loss, backward, optimizer step), temporaries included, "
@@ -71,6 +91,28 @@ def format_expr(expr: ByteExpr) -> str:
     return " + ".join(parts)
 
 
+Depth = int | Literal["all"] | None
+"""How the rows group module paths: a number of path components (0: one row for the whole model), "all"
+for the full paths, or None for the view's default (Note [Depth by default])."""
+
+MAX_ROWS = 25
+"""The most layer rows (the Total row aside) a screen table shows by default: see ``choose_depth``."""
+
+OPS_WIDTH = 40
+"""The widest op list a screen table's Op column shows: see ``abbreviate_ops``."""
+
+# Note [Depth by default]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# A person reads the table on a screen; a program reads JSON or CSV. So ``depth=None`` means two
+# things, on purpose. The screen views (table, markdown, html) choose the depth: the deepest one whose
+# table has at most MAX_ROWS layer rows (``choose_depth``), so that the title, the answer lines and the
+# table fit one terminal, as torchinfo's summary does (ResNet-50 has 125 module paths that save
+# tensors, and 21 at depth 2). With ``top`` they group by full module path, as before: K already bounds
+# the rows. The data views (JSON, CSV, ``group_layers``, ``Report.layers``) give every module path in
+# full, so that what a program gets does not change with the model's size. ``depth="all"`` asks any
+# view for the full paths, and a number for that depth.
+
+
 def _group_key(node: NodeRecord, depth: int | None) -> str:
     fqn = node.fqn or TOP_LEVEL
     if depth is None or fqn.startswith("("):
@@ -78,13 +120,49 @@ def _group_key(node: NodeRecord, depth: int | None) -> str:
     return ".".join(fqn.split(".")[:depth]) if depth > 0 else "(model)"
 
 
-def group_layers(report: Report, depth: int | None = None) -> tuple[LayerRow, ...]:
-    """Rows by module path (truncated to ``depth`` components), in graph order, nodes with bytes only."""
+def _checked_depth(depth: Depth) -> int | None:
+    """``depth`` as a number of components, None for the full paths; anything else is refused here."""
+    if depth is None or depth == "all":
+        return None
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise InputSpecError(f"depth={depth!r}: give a whole number of module-path components (0 or more), 'all', or None.")
+    return depth
+
+
+def group_layers(report: Report, depth: Depth = None) -> tuple[LayerRow, ...]:
+    """Rows by module path truncated to ``depth`` components (None or "all": the full paths), in graph
+    order, nodes with bytes only: every node lands in exactly one row. A data view: None gives the full
+    paths here (Note [Depth by default])."""
+    cut = _checked_depth(depth)
     groups: dict[str, list[NodeRecord]] = defaultdict(list)
     for node in report.nodes:
         if not node.saved.is_zero or any(node.exact.values()):
-            groups[_group_key(node, depth)].append(node)
+            groups[_group_key(node, cut)].append(node)
     return tuple(_layer_row(fqn, nodes) for fqn, nodes in groups.items())
+
+
+def choose_depth(report: Report, max_rows: int = MAX_ROWS) -> int | None:
+    """The deepest module depth whose table has at most ``max_rows`` layer rows; None where the full
+    module paths fit (the deepest grouping of all), 0 where no depth from 1 on does.
+
+    Rows only multiply as the depth grows (a row at depth d is split among rows at d + 1), so the answer
+    is the depth just before the count first exceeds ``max_rows``; the count reaches the full paths' at
+    the deepest path, which ends the search. ResNet-50: 125 module paths save tensors, 9 rows at depth 1,
+    21 at depth 2 and 121 at depth 3, so depth 2.
+    """
+    if len(group_layers(report)) <= max_rows:
+        return None
+    depth = 0
+    while len(group_layers(report, depth + 1)) <= max_rows:
+        depth += 1
+    return depth
+
+
+def _screen_depth(report: Report, depth: Depth, top: int | None) -> int | None:
+    """The depth a screen view shows (Note [Depth by default])."""
+    if depth is not None:
+        return _checked_depth(depth)
+    return None if top is not None else choose_depth(report)
 
 
 def _layer_row(fqn: str, nodes: Sequence[NodeRecord]) -> LayerRow:
@@ -103,49 +181,211 @@ def _layer_bytes(report: Report, rows: Sequence[LayerRow], batch: int) -> list[i
     return [sum(per_node.get(n, 0) for n in row.nodes) for row in rows]
 
 
-def _rows(report: Report, depth: int | None, top: int | None) -> tuple[list[LayerRow], list[int], int]:
-    rows = list(group_layers(report, depth))
-    at = _layer_bytes(report, rows, report.batch)
+def dominating_rows(at: Sequence[int]) -> tuple[bool, ...]:
+    """Which rows dominate: the fewest that together hold at least half of ``sum(at)``, taken largest
+    first (the earlier row first among equals). Nothing dominates an empty total.
+
+    These are the rows to read first, and the ones shrinking (checkpointing, a smaller dtype) pays for.
+
+    >>> dominating_rows([10, 60, 30])
+    (False, True, False)
+    """
+    total, held = sum(at), 0
+    marked = [False] * len(at)
+    for i in sorted(range(len(at)), key=lambda i: -at[i]):
+        if 2 * held >= total:
+            break
+        marked[i], held = True, held + at[i]
+    return tuple(marked)
+
+
+def abbreviate_ops(ops: Sequence[str], width: int = OPS_WIDTH) -> str:
+    """The op names joined with '+', within ``width`` characters: as many whole names as fit, then how
+    many more there are. A name is never cut: a name cut mid-way reads as another op, or as none.
+
+    >>> abbreviate_ops(["GroupNorm", "sigmoid", "mul", "Conv2d", "MultiheadAttention", "add", "gelu"], 30)
+    'GroupNorm+sigmoid+mul+4 more'
+
+    A single name wider than ``width`` is shown whole; several that leave no room for a first name
+    read 'N ops'.
+    """
+    joined = "+".join(ops)
+    if len(joined) <= width or len(ops) == 1:
+        return joined
+    for keep in range(len(ops) - 1, 0, -1):
+        text = "+".join(ops[:keep]) + f"+{len(ops) - keep} more"
+        if len(text) <= width:
+            return text
+    return f"{len(ops)} ops"
+
+
+@dataclass(frozen=True)
+class _Grouped:
+    """The layer rows a table shows, with their bytes at the report's batch and their marks."""
+
+    rows: tuple[LayerRow, ...]
+    at: tuple[int, ...]
+    marked: tuple[bool, ...]
+    """Whether each row is among the dominating rows of all rows at its depth (``dominating_rows``)."""
+    total: int
+    """Activation bytes at the report's batch: all rows', shown or not."""
+    dominating: tuple[int, int]
+    """How many rows dominate, and their bytes together (``top`` may leave some out)."""
+    depth: int | None
+    top: int | None
+
+
+def _grouped(report: Report, depth: int | None, top: int | None) -> _Grouped:
+    rows = group_layers(report, depth)
+    at = tuple(_layer_bytes(report, rows, report.batch))
+    marked = dominating_rows(at)
     total = sum(report.node_bytes(report.batch).values())
-    if top is not None:
-        order = sorted(range(len(rows)), key=lambda i: -at[i])[:top]
-        rows, at = [rows[i] for i in order], [at[i] for i in order]
-    return rows, at, total
+    dominating = (sum(marked), sum(a for a, m in zip(at, marked) if m))
+    order = range(len(rows)) if top is None else sorted(range(len(rows)), key=lambda i: -at[i])[:top]
+    pick = lambda xs: tuple(xs[i] for i in order)
+    return _Grouped(pick(rows), pick(at), pick(marked), total, dominating, depth, top)
 
 
 def _share(part: int, total: int) -> str:
     return f"{100 * part / total:.1f}%" if total else "-"
 
 
-def _table_rows(report: Report, depth: int | None, top: int | None, raw: bool) -> tuple[list[str], list[list[Any]]]:
-    rows, at, total = _rows(report, depth, top)
-    at_label = f"At B={report.batch}" + (f", S={report.seq_len}" if report.seq_len is not None else "")
+@dataclass(frozen=True)
+class _Table:
+    """A table of the report: with headers a grid, without them label-value-detail lines."""
+
+    rows: tuple[tuple[Any, ...], ...]
+    headers: tuple[str, ...] = ()
+
+
+_Part = str | _Table
+"""A piece of the screen report: a paragraph (its lines kept apart) or a table."""
+
+
+def _at(report: Report) -> str:
+    return f"B={report.batch}" + (f", S={report.seq_len}" if report.seq_len is not None else "")
+
+
+def _layer_table(report: Report, g: _Grouped, *, raw: bool) -> _Table:
+    """The rows, then the Total row (not with ``top``). ``raw`` (CSV): integers, whole op lists, no marks;
+    otherwise sizes, abbreviated op lists and a last column with the dominating rows' mark."""
     fmt = (lambda n: n) if raw else format_bytes
     seq = report.seq_len is not None
-    headers = ["Layer", "Op", "Output shape", *(["Bytes (B, S)"] if seq else ["Per sample", "Constant"]), at_label, "Share"]
     bytes_of = (lambda e: [e.polynomial()]) if seq else (lambda e: [fmt(e.per_sample), fmt(e.fixed)])
+    ops = (lambda r: "+".join(r.ops)) if raw else (lambda r: abbreviate_ops(r.ops))
+    mark = (lambda m: []) if raw else (lambda m: [MARK if m else ""])
+    headers = ("Layer", "Op", "Output shape", *(["Bytes (B, S)"] if seq else ["Per sample", "Constant"]), f"At {_at(report)}", "Share")
     body = [
-        [r.fqn, "+".join(r.ops)[:40], format_dims(r.output_shape) if r.output_shape else "", *bytes_of(r.saved), fmt(a), _share(a, total)]
-        for r, a in zip(rows, at)
+        (r.fqn, ops(r), format_dims(r.output_shape) if r.output_shape else "", *bytes_of(r.saved), fmt(a), _share(a, g.total), *mark(m))
+        for r, a, m in zip(g.rows, g.at, g.marked)
     ]
-    if top is None:
-        body.append(["Total activations", "", "", *bytes_of(report.activations), fmt(total), _share(total, total)])
-    return headers, body
+    if g.top is None:
+        body.append(("Total activations", "", "", *bytes_of(report.activations), fmt(g.total), _share(g.total, g.total), *mark(False)))
+    return _Table(tuple(body), (*headers, *([] if raw else [""])))
 
 
-def render(report: Report, fmt: str = "table", *, depth: int | None = None, top: int | None = None) -> str:
-    """The report as text in one of FORMATS."""
+def _caption(report: Report, g: _Grouped, chosen: bool) -> str:
+    """The lines under the table: what the mark means, the depth chosen for the screen, the top K's share."""
+    lines = []
+    count, held = g.dominating
+    if count:
+        layers = f"{count} layer" + ("s" if count > 1 else "")
+        lines.append(
+            f"{MARK} marks the fewest layers that together hold at least half of activation memory at {_at(report)}: "
+            f"{layers}, {_share(held, g.total)}."
+        )
+    if chosen and g.depth is not None:
+        paths = len(group_layers(report))
+        lines.append(f"Module paths grouped to depth {g.depth} to fit {MAX_ROWS} rows; --depth all lists all {paths}.")
+    if g.top is not None:
+        lines.append(f"{len(g.rows)} layers hold {_share(sum(g.at), g.total)} of activation memory at B={report.batch}.")
+    return "\n".join(lines)
+
+
+def render(report: Report, fmt: str = "table", *, depth: Depth = None, top: int | None = None) -> str:
+    """The report as text in one of FORMATS, or as "html": a fragment for notebooks (``Report._repr_html_``).
+
+    ``depth`` None lets the screen views (table, markdown, html) choose the deepest grouping of at most
+    MAX_ROWS rows, and gives JSON and CSV every module path (Note [Depth by default]); "all" gives every
+    module path, a number groups paths to that many components. ``top`` shows the K largest rows.
+    """
     if fmt == "json":
         return json.dumps(to_dict(report, depth=depth), indent=2)
     if fmt == "csv":
-        headers, body = _table_rows(report, depth, top, raw=True)
+        table = _layer_table(report, _grouped(report, _checked_depth(depth), top), raw=True)
         out = io.StringIO()
-        csv.writer(out, lineterminator="\n").writerows([headers, *body])
+        csv.writer(out, lineterminator="\n").writerows([table.headers, *table.rows])
         return out.getvalue()
-    headers, body = _table_rows(report, depth, top, raw=False)
-    table = tabulate(body, headers=headers, tablefmt="github" if fmt == "markdown" else "simple", disable_numparse=True)
-    sections = [_title(report), table, _top_sentence(report, depth, top), _summary(report)]
-    return "\n\n".join(s for s in sections if s) + "\n"
+    writers = {"table": _as_text, "markdown": _as_markdown, "html": _as_html}
+    if fmt not in writers:
+        raise InputSpecError(f"format {fmt!r}: use one of {', '.join(FORMATS)}, or html (a fragment for notebooks).")
+    return writers[fmt](_parts(report, depth, top))
+
+
+def _parts(report: Report, depth: Depth, top: int | None) -> list[_Part]:
+    """The screen report in reading order: the title, the answer (Note [The answer first]), the layers,
+    the other figures, the notes, and on a GPU target the batch-size trade-off."""
+    g = _grouped(report, _screen_depth(report, depth, top), top)
+    parts: list[_Part] = [
+        _title(report),
+        _Table(tuple(tuple(line) for line in _answer_lines(report))),
+        _layer_table(report, g, raw=False),
+        _caption(report, g, chosen=depth is None),
+        _Table(tuple(tuple(line) for line in _detail_lines(report))),
+        _notes(report),
+        *_tradeoff_parts(report),
+    ]
+    return [p for p in parts if (p.rows if isinstance(p, _Table) else p)]
+
+
+def _as_text(parts: Sequence[_Part]) -> str:
+    """The terminal's report: tabulate's simple tables; label-value-detail lines without rules."""
+    out = []
+    for p in parts:
+        if isinstance(p, str):
+            out.append(p)
+        else:
+            out.append(tabulate(p.rows, headers=p.headers, tablefmt="simple" if p.headers else "plain", disable_numparse=True))
+    return "\n\n".join(out) + "\n"
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_|<>\[\]#])")
+"""What could start emphasis, code, a link, HTML or a cell in markdown; escaped with a backslash (CommonMark 2.4)."""
+
+
+def _md(cell: object) -> str:
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", str(cell))
+
+
+def _as_markdown(parts: Sequence[_Part]) -> str:
+    """GitHub markdown: every table a pipe table (headerless ones get an empty header row), every line
+    of a paragraph a paragraph of its own (markdown would join them)."""
+    out = []
+    for p in parts:
+        if isinstance(p, str):
+            out += [_md(line) for line in p.splitlines()]
+            continue
+        headers = [_md(h) for h in p.headers] or [""] * len(p.rows[0])
+        out.append(tabulate([[_md(c) for c in row] for row in p.rows], headers=headers, tablefmt="github", disable_numparse=True))
+    return "\n\n".join(out) + "\n"
+
+
+_LEFT = ' style="text-align:left"'
+"""Inline, as no stylesheet is assumed: notebooks right-align table cells, and these are words."""
+
+
+def _as_html(parts: Sequence[_Part]) -> str:
+    """An HTML fragment with plain tables, every text escaped: no JavaScript, no stylesheet, well-formed XML."""
+    return '<div class="fxmem-report">\n' + "\n".join(_html_part(p) for p in parts) + "\n</div>\n"
+
+
+def _html_part(p: _Part) -> str:
+    if isinstance(p, str):
+        return "<p>" + "<br/>".join(escape(line) for line in p.splitlines()) + "</p>"
+    cells = lambda row, tag: "".join(f"<{tag}{_LEFT}>{escape(str(c))}</{tag}>" for c in row)
+    head = f"<thead><tr>{cells(p.headers, 'th')}</tr></thead>" if p.headers else ""
+    body = "".join(f"<tr>{cells(row, 'td')}</tr>" for row in p.rows)
+    return f"<table>{head}<tbody>{body}</tbody></table>"
 
 
 def _title(report: Report) -> str:
@@ -160,35 +400,47 @@ def _title(report: Report) -> str:
     )
 
 
-def _top_sentence(report: Report, depth: int | None, top: int | None) -> str:
-    if top is None:
-        return ""
-    rows, at, total = _rows(report, depth, top)
-    return f"{len(rows)} layers hold {_share(sum(at), total)} of activation memory at B={report.batch}."
+# Note [The answer first]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# People run fxmem to learn whether a step fits and what it costs, so those lines come right under the
+# title, before any layer: the step's peak, what the GPU holds and why (its fixed costs, the estimated
+# workspaces), the floor at B=1, the largest batch that fits, and which pile dominates. The figures that
+# explain them (the activation and state piles, the totals, FLOPs, time) follow the layer table.
 
 
-def _summary(report: Report) -> str:
-    b, s = report.batch, report.state
-    at = f"B={b}" + (f", S={report.seq_len}" if report.seq_len is not None else "")
+def _answer_lines(report: Report) -> list[list[str]]:
+    """Peak, GPU total, floor, largest batch and which pile dominates (Note [The answer first])."""
+    b, state = report.batch, report.state.total
+    scaled = report.total_bytes(b) - state
+    lines = [
+        *_peak_lines(report, b, _at(report)),
+        *_gpu_lines(report, b, _at(report)),
+        ["Floor at B=1", format_bytes(report.step_bytes(1)), f"{_basis(report)} with one sample"],
+    ]
+    if report.device_memory is not None:
+        lines.append(_device_line(report))
+    lines.append(["State : activations", _ratio(state, scaled), _reading(state, scaled)])
+    return lines
+
+
+def _detail_lines(report: Report) -> list[list[str]]:
+    """The piles behind the answer (activations, inputs, state and each GPU's share), the totals, FLOPs and time."""
+    b, s, at = report.batch, report.state, _at(report)
     half = max(1, b // 2)
+    total = report.total_bytes(b)
     lines = [
         ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at {at}"],
         ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at {at}"],
         [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
-        [
-            f"Total at {at}",
-            format_bytes(report.total_bytes(b)),
-            f"{_share(report.total_bytes(b) - s.total, report.total_bytes(b))} scales with the batch",
-        ],
+        *_per_gpu_lines(report),
+        [f"Total at {at}", format_bytes(total), f"{_share(total - s.total, total)} scales with the batch"],
         *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
-        *_peak_lines(report, b, at),
-        ["Floor at B=1", format_bytes(report.step_bytes(1)), f"{_basis(report)} with one sample"],
-        ["State : activations", _ratio(s.total, report.total_bytes(b) - s.total), _reading(s.total, report.total_bytes(b) - s.total)],
     ]
-    lines += _gpu_lines(report, b, at)
-    if report.device_memory is not None:
-        lines.append(_device_line(report))
-    lines += _compute_lines(report, b, at)
+    return lines + _compute_lines(report, b, at)
+
+
+def _notes(report: Report) -> str:
+    """What the figures include and leave out, and every caveat the analysis met, one per line."""
     gpu = report.steps is not None and report.steps.device is not None
     notes = [ON_GPU if gpu else NOT_INCLUDED if report.steps is not None else NOT_INCLUDED + " " + NO_PEAK]
     if report.steps is not None and report.steps.note:
@@ -211,8 +463,7 @@ def _summary(report: Report) -> str:
     notes += [f"Unsupported: node {u.node} ({u.fqn}): {u.reason}; counted as 0 B." for u in report.accounting.unsupported]
     caveat = report.batchnorm_caveat()
     notes += [caveat] if caveat else []
-    text = tabulate(lines, tablefmt="plain", disable_numparse=True) + "\n\n" + "\n".join(notes)
-    return text + _tradeoff_section(report)
+    return "\n".join(notes)
 
 
 def format_flops(n: float) -> str:
@@ -277,20 +528,20 @@ def _path_lines(report: Report) -> list[str]:
     return [f"Simulated: saved tensors: {saved}; the step: {step}."]
 
 
-def _tradeoff_section(report: Report) -> str:
+def _tradeoff_parts(report: Report) -> list[_Part]:
     """Memory and estimated throughput from B=1 to the largest batch that fits, on a GPU target."""
     if report.steps is None or report.steps.device is None or report.device_memory is None:
-        return ""
-    rows = [
-        [
+        return []
+    rows = tuple(
+        (
             r.batch, format_bytes(r.state), format_bytes(r.activations), format_bytes(r.peak), format_bytes(r.device),
             format_seconds(r.seconds), format_rate(r.samples_per_second), f"{r.peak_share:.0%}",
-        ]
+        )
         for r in report.tradeoff()
-    ]  # fmt: skip
-    headers = ["B", "State", "Activations", "Peak", "GPU total", "Step time >=", "Samples/s <=", "Of peak FLOP/s"]
-    table = tabulate(rows, headers=headers, disable_numparse=True)
-    return f"\n\nBatch size trade-off on {report.gpu.label} (step time is a roofline lower bound, not a benchmark):\n\n{table}"
+    )  # fmt: skip
+    headers = ("B", "State", "Activations", "Peak", "GPU total", "Step time >=", "Samples/s <=", "Of peak FLOP/s")
+    heading = f"Batch size trade-off on {report.gpu.label} (step time is a roofline lower bound, not a benchmark):"
+    return [heading, _Table(rows, headers)]
 
 
 def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
@@ -312,9 +563,9 @@ def _basis(report: Report) -> str:
 
 
 def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
-    """The steady step on the target GPU: allocator counters, then the fixed costs and per-GPU extras."""
+    """The steady step on the target GPU: allocator counters, then the fixed costs and the estimated workspaces."""
     if report.steps is None or report.steps.device is None:
-        return _per_gpu_lines(report)
+        return []
     d = report.peak(b).device
     assert d is not None
     lines = [
@@ -325,7 +576,7 @@ def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
         ],
     ]
     lines += [[f"+ {name}", format_bytes(n), why] for name, n, why in d.overheads if n]
-    return _per_gpu_lines(report) + lines + _estimate_lines(report.peak(b))
+    return lines + _estimate_lines(report.peak(b))
 
 
 def _estimate_lines(p: Peak) -> list[list[str]]:
@@ -416,9 +667,12 @@ def _expr_dict(e: ByteExpr) -> dict[str, Any]:
     return out
 
 
-def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
-    """The JSON view: bytes are integers; per_sample and constant are the exact a and c."""
+def to_dict(report: Report, *, depth: Depth = None) -> dict[str, Any]:
+    """The JSON view: bytes are integers; per_sample and constant are the exact a and c. JSON is for
+    programs, so its layers are every module path unless ``depth`` says otherwise: a program should not
+    get a grouping that changes with the model's size (Note [Depth by default])."""
     b, s = report.batch, report.state
+    layers = group_layers(report, depth)
     symbolic = report.steps.symbolic_timeline() if report.steps is not None else None
     flops = node_flop_exprs(symbolic) if symbolic is not None else {}
     out: dict[str, Any] = {
@@ -445,7 +699,7 @@ def to_dict(report: Report, *, depth: int | None = None) -> dict[str, Any]:
         "nodes": [_node_dict(n, flops.get(n.name)) for n in report.nodes],
         "layers": [
             {"layer": r.fqn, "ops": list(r.ops), "nodes": list(r.nodes), "saved": _expr_dict(r.saved), "bytes_at_batch": a}
-            for r, a in zip(group_layers(report, depth), _layer_bytes(report, group_layers(report, depth), b))
+            for r, a in zip(layers, _layer_bytes(report, layers, b))
         ],
         "batch_one_special": list(report.batch_one_special),
         "batch_one_error": report.accounting.batch_one_error or None,
