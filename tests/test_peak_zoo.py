@@ -3,10 +3,11 @@
 Every zoo model (test config) at B in {1, 4}, for sgd, sgd-momentum and adamw, first and steady step:
 the predicted peak is within 1% of the measured one and falls in the same phase.
 
-The CPU's convolution buffers come from oneDNN's choices on an AVX512 CPU (Note [CPU oneDNN convolution
-buffers] in fxmem/rules/onednn_conv.py); on another CPU those rules stand aside and a model with
-convolutions peaks higher than predicted (ResNet-50's test config by 5% at B=4 on an AVX2 EPYC), so
-those models are skipped there, as tests/test_workspaces.py's oneDNN grids are.
+The CPU's convolution buffers come from oneDNN's choices on AVX512 and AVX2 CPUs (Notes [CPU oneDNN
+convolution buffers] in fxmem/rules/onednn_conv.py and [CPU oneDNN convolution buffers on AVX2] in
+fxmem/rules/onednn_conv_avx2.py); on another CPU those rules stand aside and a model with convolutions
+peaks higher than predicted (ResNet-50's test config by 5% at B=4 on an AVX2 EPYC before the AVX2
+rules), so those models are skipped there, as the oneDNN grids of the workspace tests are.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def case(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     name, optimizer = request.param
     spec = fxmem.load_model(f"zoo:{name}:test")
     convolutions = any(isinstance(m, nn.modules.conv._ConvNd) for m in spec.model.modules())
-    if convolutions and torch.backends.cpu.get_cpu_capability() != "AVX512":
-        pytest.skip(f"{name} runs oneDNN convolutions, whose buffers fxmem describes for AVX512 CPUs (this is {torch.backends.cpu.get_cpu_capability()})")
+    if convolutions and torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
+        pytest.skip(f"{name} runs oneDNN convolutions, whose buffers fxmem describes for AVX512 and AVX2 CPUs (this is {torch.backends.cpu.get_cpu_capability()})")
     report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, name=name, target="cpu")
     return name, optimizer, spec, report
 

@@ -719,3 +719,30 @@ def test_cpu_safe_softmax_scratch() -> None:
     top, y = _high_mark(lambda: torch.ops.aten._safe_softmax(x, -1))
     assert top - _nbytes(y) == 378 + 42 + 4
     assert workspace_rules_for("cpu")["aten._safe_softmax"]((x, -1), {}, y) == 378 + 42 + 4
+
+
+_GENERIC_UPSAMPLES = [
+    # (input shape, mode, taps): 1-D and 3-D contiguous inputs and bicubic take the generic kernel
+    ((2, 1, 2), "nearest", 1), ((2, 4, 6), "linear", 2), ((1, 2, 7), "nearest-exact", 1),
+    ((2, 4, 3, 3, 3), "nearest", 1), ((2, 1, 3, 2, 5), "trilinear", 2), ((2, 3, 5, 7), "bicubic", 4),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "mode", "taps"), _GENERIC_UPSAMPLES)
+def test_cpu_upsample_index_tables_match_the_profiler(shape: tuple[int, ...], mode: str, taps: int) -> None:
+    """Note [CPU upsampling's index tables]: 12 bytes (an int64 position and a float32 weight) per
+    tap per output position per spatial dimension; at scale 2, (2, 4, 3, 3, 3) nearest is
+    1 x 12 x (6 + 6 + 6) = 216 bytes."""
+    from fxmem.rules.ops import workspace_rules_for
+
+    x = torch.randn(*shape)
+    top, y = _high_mark(lambda: F.interpolate(x, scale_factor=2, mode=mode))
+    assert top - _nbytes(y) == taps * 12 * sum(2 * n for n in shape[2:])
+    rule = workspace_rules_for("cpu")[f"aten.{_UPSAMPLE_OP[mode, len(shape)]}"]
+    assert rule((x,), {}, y) == top - _nbytes(y)
+
+
+_UPSAMPLE_OP = {
+    ("nearest", 3): "upsample_nearest1d", ("linear", 3): "upsample_linear1d", ("nearest-exact", 3): "_upsample_nearest_exact1d",
+    ("nearest", 5): "upsample_nearest3d", ("trilinear", 5): "upsample_trilinear3d", ("bicubic", 4): "upsample_bicubic2d",
+}  # fmt: skip

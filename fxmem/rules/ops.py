@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from fxmem.rules import Registry
 from fxmem.rules.cudnn_conv import cudnn_convolution_backward_workspace, cudnn_convolution_workspace
 from fxmem.rules.cudnn_rnn import cudnn_rnn_backward_workspace, cudnn_rnn_reserve, cudnn_rnn_workspace
 from fxmem.rules.onednn_conv import ConvShape, backward_marks, forward_marks, highest, onednn_convolution
+from fxmem.rules.onednn_conv_avx2 import avx2_backward_marks, avx2_forward_marks, onednn_avx2_convolution
 from fxmem.rules.onednn_rnn import PAGE_SIZE, get_good_ld, lstm_workspace_bytes
 from fxmem.rules.sdpa_buffers import (
     cudnn_attention_backward_workspace,
@@ -304,14 +305,27 @@ def _slow_backend(
     return name if name in _SLOW_CONV else ""
 
 
+def _onednn_marks(inp: Any, weight: Any, *conv_args: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The forward's and the backward's high marks as this CPU's oneDNN rules give them (AVX512's or
+    AVX2's), or None where no rule describes the convolution (``conv_args``: stride, padding, dilation,
+    transposed, output_padding, groups)."""
+    if onednn_convolution(inp, weight, *conv_args):
+        return forward_marks, backward_marks
+    if onednn_avx2_convolution(inp, weight, *conv_args):
+        return avx2_forward_marks, avx2_backward_marks
+    return None
+
+
 @register_workspace_rule(("aten.convolution", "cpu"))
 def convolution_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """Slow: the columns buffer (Note [CPU slow convolution columns]); oneDNN: its reorders
-    (Note [CPU oneDNN convolution buffers] in onednn_conv.py)."""
+    (Note [CPU oneDNN convolution buffers] in onednn_conv.py, and on AVX2 Note [CPU oneDNN
+    convolution buffers on AVX2] in onednn_conv_avx2.py)."""
     inp, weight, _bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
-    if onednn_convolution(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
+    onednn = _onednn_marks(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
+    if onednn is not None:
         conv = ConvShape.of(inp, weight, stride, padding, dilation, out.shape[2:])
-        return highest(inp.shape[0], forward_marks(conv, torch.get_num_threads()))
+        return highest(inp.shape[0], onednn[0](conv, torch.get_num_threads()))
     if not _slow_backend(inp, weight, stride, padding, dilation, transposed, output_padding, groups) or _pointwise(weight, stride, padding):
         return 0
     return _slow_conv_columns(inp, weight, out.shape[2:])
@@ -320,14 +334,16 @@ def convolution_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: A
 @register_workspace_rule(("aten.convolution_backward", "cpu"))
 def convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """Slow: the columns buffer (Note [CPU slow convolution columns]); oneDNN: its reorders and
-    scratchpads (Note [CPU oneDNN convolution buffers] in onednn_conv.py)."""
+    scratchpads (Note [CPU oneDNN convolution buffers] in onednn_conv.py, and on AVX2 Note [CPU
+    oneDNN convolution buffers on AVX2] in onednn_conv_avx2.py)."""
     grad_output, inp, weight, _bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args[:11]
-    if onednn_convolution(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
+    onednn = _onednn_marks(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
+    if onednn is not None:
         if not any(mask):
             return 0
         conv = ConvShape.of(inp, weight, stride, padding, dilation, grad_output.shape[2:])
         copy = 0 if grad_output.is_contiguous() else grad_output.numel() * grad_output.element_size()
-        return highest(inp.shape[0], backward_marks(conv, torch.get_num_threads(), mask), plus=copy)
+        return highest(inp.shape[0], onednn[1](conv, torch.get_num_threads(), mask), plus=copy)
     backend = _slow_backend(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
     if not backend or not (mask[0] or mask[1]):
         return 0
@@ -731,6 +747,37 @@ def cpu_upsample_2d_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], ou
 
 for _op in ("upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bilinear2d"):
     register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_upsample_2d_workspace)
+
+
+# Note [CPU upsampling's index tables]
+#     Where the CPU's upsampling does not take the channels-last path (1-D and 3-D inputs laid out
+#     contiguously, and bicubic), its generic kernel (upsample_generic_Nd_kernel_impl, UpSampleKernel.cpp)
+#     first tabulates, for every output position of every spatial dimension, the input positions it
+#     reads (int64) and their weights (float32): one of each for nearest, two for linear, four for
+#     bicubic, 12 bytes a tap, all dying with the op. The backward kernels keep no such table. Measured
+#     with the profiler on torch 2.13, float32, 1-D and 3-D shapes, contiguous inputs (and bicubic in
+#     both 2-D layouts) (tests/test_workspaces.py); the fuzzer's two 1-D nearest upsamplings, whose
+#     forward was the step's peak, were 22% low without it. A channels-last 3-D input takes another
+#     path, not measured enough to describe: no rule.
+
+_UPSAMPLE_TAPS = {
+    "upsample_nearest1d": 1, "_upsample_nearest_exact1d": 1, "upsample_linear1d": 2,
+    "upsample_nearest3d": 1, "_upsample_nearest_exact3d": 1, "upsample_trilinear3d": 2, "upsample_bicubic2d": 4,
+}  # fmt: skip
+_TAP_BYTES = 12
+
+
+def cpu_upsample_index_tables(taps: int, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The generic kernel's positions and weights; see Note [CPU upsampling's index tables]."""
+    inp = args[0]
+    if inp.dtype != torch.float32 or not isinstance(out, torch.Tensor):
+        return 0
+    laid_out = inp.is_contiguous() or (taps == 4 and is_channels_last_contiguous_or_false(inp))
+    return taps * _TAP_BYTES * sum(out.shape[2:]) if laid_out else 0
+
+
+for _op, _taps in _UPSAMPLE_TAPS.items():
+    register_workspace_rule((f"aten.{_op}", "cpu"))(functools.partial(cpu_upsample_index_tables, _taps))
 for _op in _POOLING_BACKWARD:
     register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_pooling_backward_workspace)
 for _op, _at in _MAX_POOLING_BACKWARD.items():
