@@ -7,7 +7,7 @@ can be compared, pickled and tested without a graph.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from torch import nn
@@ -108,6 +108,9 @@ class MemoryEvent:
     bound: WorkspaceBound | None = field(default=None, compare=False, repr=False)
     """For a kernel workspace whose size is an estimate (the library picks its engine when it runs):
     what it is and the most it can be. None where the size is known."""
+    at_batch: Callable[[int], int | None] | None = field(default=None, compare=False, repr=False)
+    """For one line of a kernel workspace (``WorkspaceLines``): at a concrete batch, the bytes to add,
+    or None where the line is not there (Note [A symbolic step at a batch where another kernel runs])."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,10 @@ class WorkspaceLines:
 
     lines: tuple[object, ...]
     exact_at: Callable[[int], bool] = lambda batch: True
+    at_batch: tuple[Callable[[int], int | None], ...] | None = None
+    """Per line, at a concrete batch: the bytes to add to it for the kernel that runs there, or None
+    where that line is not there at all; None where the rule cannot say (a batch ``exact_at`` refuses
+    is then simulated). See Note [A symbolic step at a batch where another kernel runs]."""
 
 
 @dataclass(frozen=True)
@@ -194,9 +201,39 @@ class Timeline:
     contexts: tuple[str, ...] = field(default=(), compare=False, repr=False)
     """Per event of a first step, the module path of the op running when it happened: which block
     it belongs to when a deep model's step is extended from a shallow one (fxmem/step/repeats.py)."""
+    corrected: tuple[Callable[[int], bool], ...] = ()
+    """Checks like ``checks`` whose kernels' events say what they are at any batch (``MemoryEvent.at_batch``):
+    where one says no, ``at_batch`` gives the step there without simulating it."""
 
     def exact_at(self, batch: int) -> bool:
-        return all(check(batch) for check in self.checks)
+        return all(check(batch) for check in self.checks) and all(check(batch) for check in self.corrected)
+
+    def at_batch(self, batch: int, seq: int | None) -> Timeline | None:
+        """This symbolic step at a concrete ``batch`` (and ``seq``), its workspaces those of the kernels
+        that run there: every size a number, as a step simulated at that batch has them. None where a
+        check that no event can correct refuses the batch. See Note [A symbolic step at a batch where
+        another kernel runs]."""
+        if not all(check(batch) for check in self.checks):
+            return None
+        at = lambda x: ByteExpr(fixed=x.at(batch, seq))
+        events = []
+        for e in self.events:
+            extra = e.at_batch(batch) if e.at_batch is not None else 0
+            nbytes = None if extra is None else e.nbytes.at(batch, seq) + extra
+            if nbytes is not None and not (e.at_batch is not None and nbytes == 0):  # a workspace of 0 is none
+                events.append(replace(e, nbytes=ByteExpr(fixed=nbytes), at_batch=None))
+        costs = tuple(replace(c, flops=at(c.flops), read=at(c.read), written=at(c.written)) for c in self.costs)
+        return replace(
+            self,
+            batch=batch,
+            baseline={k: at(v) for k, v in self.baseline.items()},
+            events=tuple(events),
+            baseline_storages=tuple((k, at(v)) for k, v in self.baseline_storages),
+            costs=costs,
+            checks=(),
+            corrected=(),
+            contexts=(),
+        )
 
 
 @dataclass(frozen=True)

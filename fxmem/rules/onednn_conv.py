@@ -174,8 +174,14 @@ def highest(batch: Any, marks: Callable[[int, int], Sequence[int]], plus: Any = 
         return max(marks(int(batch), int(batch))) + plus
     large = marks(1, _LARGE)
     envelope = _upper_envelope([(one - zero, zero) for zero, one in zip(marks(0, _LARGE), large)])
-    lines = tuple(slope * batch + fixed + plus for slope, fixed in envelope if (slope, fixed + plus) != (0, 0))
-    return WorkspaceLines(lines, lambda b: max(marks(b, b)) == max(a * b + c for a, c in envelope))
+    kept = [(slope, fixed) for slope, fixed in envelope if (slope, fixed + plus) != (0, 0)]
+    lines = tuple(slope * batch + fixed + plus for slope, fixed in kept)
+    exact_at = lambda b: max(marks(b, b)) == max(a * b + c for a, c in envelope)
+    if not kept:
+        return WorkspaceLines(lines, exact_at)
+    (a0, c0), rest = kept[0], len(kept) - 1
+    first = lambda b: max(marks(b, b)) - (a0 * b + c0)  # the first line becomes the kernel's bytes there
+    return WorkspaceLines(lines, exact_at, (first, *[lambda b: None] * rest))
 
 
 def _upper_envelope(lines: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

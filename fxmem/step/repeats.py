@@ -274,7 +274,7 @@ class ShallowSteps:
             raise NotRepeating(_first_difference(guess, four))
         full = extend_timeline(three, four, 3, self.stack.depth, self.to_full, self.to_four)
         baseline, storages = extend_baseline(three, four, 3, self.stack.depth)
-        return replace(full, baseline=baseline, baseline_storages=storages, checks=four.checks)
+        return replace(full, baseline=baseline, baseline_storages=storages, checks=four.checks, corrected=four.corrected)
 
 
 @dataclass(frozen=True)

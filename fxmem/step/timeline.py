@@ -111,6 +111,19 @@ inside, or, with a symbolic batch, ``WorkspaceLines`` (Note [Kernel choices that
 #     envelope over all B (``max_batch``'s search aside) follows the lines.
 
 
+# Note [A symbolic step at a batch where another kernel runs]
+#     A check that refuses a batch sent that batch to a whole simulated step: 2-3 s each for a small
+#     CNN on the cuda target, where cuDNN's and oneDNN's convolution choices change with B, and
+#     ``max_batch``'s search for ResNet-50's test config asked 47 batches (two minutes for a default
+#     report). Yet such a step differs from the symbolic one in those workspaces only: the rule knows
+#     the kernel's bytes at any concrete batch (``highest`` in fxmem/rules/onednn_conv.py). Its lines
+#     carry ``at_batch`` corrections (``WorkspaceLines.at_batch``, ``MemoryEvent.at_batch``): at a
+#     concrete B the first line becomes the kernel's bytes and the others go, as one transient of
+#     that size is what a step simulated at B records. ``Timeline.at_batch`` makes that step from the
+#     symbolic one, every size a number; checks that carry no correction still send their batches to
+#     a simulation. tests/test_peak.py holds the made step to the simulated one, event for event.
+
+
 _LABEL = "fxmem"
 """Key of the (node, module path) label fxmem puts in each autograd node's ``metadata``."""
 
@@ -126,6 +139,8 @@ class _Storage:
     op: str
     bound: WorkspaceBound | None = None
     """For an estimated workspace: what it is and the most it can be (see ``Estimated``)."""
+    at_batch: Callable[[int], int | None] | None = None
+    """For one line of a workspace's ``WorkspaceLines``: its correction at a concrete batch."""
 
 
 @dataclass
@@ -159,6 +174,8 @@ class _Tracker(TorchDispatchMode):
     costs: list[tuple[Phase, str, str, str, str, OpCost]] = field(default_factory=list)
     """(phase, node, fqn, op, dtype, cost) of every op that computes or moves bytes."""
     checks: list[Callable[[int], bool]] = field(default_factory=list)
+    corrected: list[Callable[[int], bool]] = field(default_factory=list)
+    """Checks of workspaces whose events say what they are at any batch (``Timeline.corrected``)."""
     """Whether each workspace rule's lines are its bytes at a batch (Note [Kernel choices that change with the batch])."""
     watchers: dict[StorageWeakRef, weakref.ref[Any]] = field(default_factory=dict)
     """A weakref per live storage whose callback files its death in ``deaths``."""
@@ -279,10 +296,12 @@ class _Tracker(TorchDispatchMode):
             bound = found.bound
             found = found.found
         if isinstance(found, WorkspaceLines):
-            self.checks.append(found.exact_at)
-        for nbytes in found.lines if isinstance(found, WorkspaceLines) else (found,):
+            (self.checks if found.at_batch is None else self.corrected).append(found.exact_at)
+        lines = found.lines if isinstance(found, WorkspaceLines) else (found,)
+        corrections = found.at_batch if isinstance(found, WorkspaceLines) and found.at_batch is not None else (None,) * len(lines)
+        for nbytes, at_batch in zip(lines, corrections):
             if not (isinstance(nbytes, int) and nbytes == 0):
-                self._transient(nbytes, node, fqn, f"{label} (workspace)", bound)
+                self._transient(nbytes, node, fqn, f"{label} (workspace)", bound, at_batch)
         return out
 
     def _adds_in_place(self, source: torch.Tensor, out: torch.Tensor) -> bool:
@@ -305,9 +324,17 @@ class _Tracker(TorchDispatchMode):
         self.poll()
         self._allocated(t, None, *self._attribution(()), op)
 
-    def _transient(self, nbytes: object, node: str, fqn: str, op: str, bound: WorkspaceBound | None = None) -> None:
+    def _transient(
+        self,
+        nbytes: object,
+        node: str,
+        fqn: str,
+        op: str,
+        bound: WorkspaceBound | None = None,
+        at_batch: Callable[[int], int | None] | None = None,
+    ) -> None:
         """A kernel's workspace: allocated and released within the op, alive with its outputs."""
-        storage = _Storage(len(self.raw), nbytes, node, fqn, op, bound)
+        storage = _Storage(len(self.raw), nbytes, node, fqn, op, bound, at_batch)
         self.raw.append(_Raw(True, storage, self.phase, fqn))
         self.raw.append(_Raw(False, storage, self.phase, fqn))
 
@@ -715,6 +742,7 @@ def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int 
             r.storage.op,
             r.storage.number,
             r.storage.bound,
+            r.storage.at_batch,
         )
         for r in tracker.raw
     )
@@ -723,7 +751,7 @@ def _timeline(tracker: _Tracker, categories: Mapping[int, Category], batch: int 
         for phase, node, fqn, op, dtype, c in tracker.costs
     )
     contexts = tuple(r.context for r in tracker.raw)
-    return Timeline(batch, True, baseline, events, storages, costs, tuple(tracker.checks), contexts)
+    return Timeline(batch, True, baseline, events, storages, costs, tuple(tracker.checks), contexts, tuple(tracker.corrected))
 
 
 @dataclass
