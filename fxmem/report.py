@@ -213,6 +213,8 @@ class Report:
         """One self-contained HTML page: the module tree's saved bytes as an icicle, the step's memory
         over time with its peak, the batch trade-off and the summary, evaluated at ``batch`` (the
         report's own when None); inline SVG, nothing fetched (fxmem/output/html_report.py)."""
+        if batch is not None:
+            check_batch(batch)
         return to_html(self, batch)
 
 

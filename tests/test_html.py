@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fxmem
+from fxmem.errors import InputSpecError
 from fxmem.output.charts import NO_STEP, thin
 from fxmem.output.html_report import to_html
 from fxmem.output.icicle import DEPTH
@@ -313,5 +314,7 @@ def test_the_cli_writes_the_page_and_the_report_method_gives_it(tmp_path: Path, 
     spec = fxmem.load_model("zoo:wide-mlp:test")
     report = fxmem.analyze(spec.model, spec.inputs, loss=spec.loss, batch=4, name="zoo:wide-mlp:test", target="cpu")
     assert out.read_text(encoding="utf-8") == report.to_html() == to_html(report)
+    with pytest.raises(InputSpecError, match="batch must be a positive integer"):
+        report.to_html(0)
     assert cli.main(["analyze", "zoo:wide-mlp:test", "--target", "cpu", "--html", str(tmp_path / "missing" / "r.html")]) == 2
     assert "--html: cannot write the page" in capsys.readouterr().err
