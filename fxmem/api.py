@@ -19,13 +19,14 @@ from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.tracing import trace_model
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
+from fxmem.parallel import FsdpPlan
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.step.peak import StepPeaks
 from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
-from fxmem.step.sharding import shard_state, units_of
+from fxmem.step.sharding import engine_share, fsdp_units, shard_state, units_of
 from fxmem.step.state import get_optimizer, state_bytes
 from fxmem.step.timeline import simulate_step
 from fxmem.step.training import DEFAULT_GPU, TrainingSetup
@@ -59,6 +60,8 @@ def analyze(
     overheads: Mapping[str, int] | None = None,
     bn_threshold: int = BN_THRESHOLD,
     torch_version: str | None = None,
+    fsdp: int = 1,
+    fsdp_units: Iterable[str] | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -85,8 +88,14 @@ def analyze(
     batch-statistics layers (``Report.batchnorm_caveat``). ``torch_version`` ("2.11") is the torch
     release the training job runs, where a cuda target's kernel choices changed between releases
     (SDPA's backend, cuBLASLt's workspace); None follows the torch fxmem runs with.
+
+    ``fsdp`` (N > 1, the same as ``world_size=N, shard="fsdp"``) simulates one rank of FSDP2 over N
+    ranks by running ``fully_shard`` itself on a fake process group (fxmem/parallel): ``fsdp_units``
+    (module paths; default each repeated block) are wrapped, then the root, and ``batch`` is the
+    rank's micro-batch.
     """
     name = name or type(model).__name__
+    world_size, shard = _fsdp_setup(fsdp, world_size, shard)
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version)
     specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
@@ -99,6 +108,7 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
+    plan = _fsdp_plan(model, setup, fsdp_units, peak, name)
     shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow)
     say("counting model state")
@@ -107,12 +117,15 @@ def analyze(
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict, setup)
     steps = None
     if peak:
-        steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch, setup, impl, device, shallow)
+        steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch, setup, impl, device, shallow, plan)
+        if plan is not None:
+            per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size)
     if device_memory is None and setup.cuda:
         device_memory = setup.device.memory_bytes
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
         bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold, checkpointed=len(checkpoint_regions(gm)),
+        fsdp_units=plan.units if plan is not None else (),
     )  # fmt: skip
 
 
@@ -130,7 +143,10 @@ def _state(
     )
     state = count(setup.precision or None, param_dtype)
     units = units_of(model, setup.shard) if setup.shard in ("zero3", "fsdp") else []
-    per_gpu = shard_state(state, world_size=setup.world_size, stage=setup.shard, units=units)
+    if setup.engine:  # the simulated step is one rank's already: nothing to scale (engine_share says what it holds)
+        per_gpu = shard_state(state, world_size=1, stage="none")
+    else:
+        per_gpu = shard_state(state, world_size=setup.world_size, stage=setup.shard, units=units)
     if not setup.cuda:
         return state, per_gpu, None
     fused = impl == "fused"
@@ -161,6 +177,7 @@ def _simulate_steps(
     impl: str,
     device: DeviceModel | None,
     shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
+    plan: FsdpPlan | None = None,
 ) -> StepPeaks:
     """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
     the report's own batch now (so that a failing step fails analyze), concrete ones on demand.
@@ -184,9 +201,12 @@ def _simulate_steps(
             optimizer_impl=impl,
             state_dtype=setup.state_dtype,
             layouts=layouts,
+            parallel=plan.within(graph) if plan is not None else None,
         )
 
     fast, path = _fast_path(gm, shallow, simulate)
+    if plan is not None:
+        path += f"; one rank of FSDP2 over {plan.world_size} (fully_shard on {len(plan.units)} units and the root)"
 
     def run(b: int | None) -> Timeline:
         nonlocal fast
@@ -395,6 +415,39 @@ def _seq_len(specs: tuple[InputSpec, ...], seq_len: int | None) -> int | None:
             f"at (--seq-len N, seq_len=N in the API), got {seq_len!r}."
         )
     return seq_len
+
+
+def _fsdp_setup(fsdp: object, world_size: int, shard: str) -> tuple[int, str]:
+    """(world_size, shard) with ``fsdp=N`` folded in: N ranks of the real FSDP2 engine."""
+    if not isinstance(fsdp, int) or isinstance(fsdp, bool) or fsdp < 1:
+        raise InputSpecError(f"fsdp must be a whole number of ranks, 1 or more; got {fsdp!r}.")
+    if fsdp == 1:
+        return world_size, shard
+    if (world_size, shard) not in ((1, "none"), (fsdp, "fsdp")):
+        raise InputSpecError(
+            f"--fsdp {fsdp} sets the ranks and the sharding itself; it cannot be combined with --world-size {world_size} "
+            f"--shard {shard}: give one or the other."
+        )
+    return fsdp, "fsdp"
+
+
+def _fsdp_plan(model: nn.Module, setup: TrainingSetup, units: Iterable[str] | None, peak: bool, name: str) -> FsdpPlan | None:
+    """The FSDP2 plan of a ``--fsdp`` run (None otherwise): its units, checked against the model."""
+    if not setup.engine:
+        if units is not None:
+            raise InputSpecError("fsdp_units names FSDP2's units, which only --fsdp N (N > 1) uses; pass fsdp=N too.")
+        return None
+    if not peak:
+        raise InputSpecError(f"model '{name}': --fsdp simulates one rank's training step, which --no-peak (peak=False) skips; drop one.")
+    chosen = tuple(units) if units is not None else fsdp_units(model)
+    modules = dict(model.named_modules())
+    missing = [u for u in chosen if not isinstance(u, str) or u not in modules or not u]
+    if missing:
+        raise InputSpecError(
+            f"model '{name}': FSDP unit {missing[0]!r} is not a submodule path of the model; name modules such as "
+            f"{', '.join(repr(u) for u in fsdp_units(model)[:3]) or repr(next(iter(modules), ''))}."
+        )
+    return FsdpPlan(setup.world_size, chosen)
 
 
 def _silent(_message: str) -> None:

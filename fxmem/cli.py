@@ -30,6 +30,7 @@ from fxmem.frontends.tracing import FRONTENDS
 from fxmem.gpu.gpus import GPUS
 from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse_inputs, parse_size
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
+from fxmem.measure_ranks import measure_ranks
 from fxmem.output.render import FORMATS, MAX_ROWS, format_bytes, render, render_timeline
 from fxmem.report import Report
 from fxmem.results import ModelSpec, Peak
@@ -122,6 +123,8 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(k for k, r in RECIPES.items() if r.weight_dtype == torch.bfloat16)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights")
     g.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
     g.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
+    g.add_argument("--fsdp", type=_positive_int, default=1, metavar="N", help="simulate one rank of FSDP2 over N ranks: fully_shard itself runs on a fake process group (each repeated block a unit, then the root); --batch is the rank's micro-batch. The same as --world-size N --shard fsdp")
+    g.add_argument("--fsdp-unit", action="append", metavar="PATH", help="with --fsdp: a module fully_shard wraps as a unit (repeat for several; default each repeated block)")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
     g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
@@ -138,7 +141,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
-        "torch_version": args.torch_version,
+        "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit,
     }  # fmt: skip
 
 
@@ -373,6 +376,7 @@ def _check_measurable(args: argparse.Namespace) -> None:
     """A real run is one forward (or with --peak one step) on one device in the model's own dtypes: the
     setup options it cannot honour are refused rather than silently left out of both sides."""
     flags = {"--world-size": args.world_size != 1, "--shard": args.shard != "none", "--precision": bool(args.precision)}
+    flags["--fsdp"] = args.fsdp != 1 and not args.peak  # one real rank per process: a whole step only
     flags["--torch-version"] = args.torch_version is not None  # the real run is the installed torch's
     if not args.peak:
         flags |= {"--amp": args.amp is not None, "--optimizer-impl": args.optimizer_impl is not None, "--overhead": bool(args.overhead)}
@@ -392,12 +396,38 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     device = args.target  # a GPU measures what the GPU keeps
     if device == "cuda" and not torch.cuda.is_available():
         raise InputSpecError("measure --peak --target cuda runs the step on a GPU, and this machine has no CUDA device; use --target cpu here.")
+    if args.fsdp > 1:
+        return _measure_ranks(args, spec, report, predicted, say)
     say(f"running one training step for real on the {device.upper()} at B={args.batch}")
     measured = measure_peak(
         materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step,
         seq_len=report.seq_len, device=device, amp=args.amp, optimizer_impl=args.optimizer_impl,
     )  # fmt: skip
     return _peak_comparison(predicted, measured, device)
+
+
+def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, predicted: Peak, say: Callable[[str], None]) -> str:
+    """``measure --peak --fsdp N``: the real step on N CPU processes, each rank beside the simulated one."""
+    if args.target != "cpu" or args.amp is not None or args.optimizer_impl is not None:
+        raise InputSpecError("measure --peak --fsdp runs the ranks on this machine's CPU with gloo: give --target cpu, without --amp or --optimizer-impl.")
+    units = report.fsdp_units
+    say(f"running one training step for real on {args.fsdp} CPU processes (torchrun, gloo) at B={args.batch} per rank")
+    ranks = measure_ranks(
+        materialize(spec.model), spec.inputs, args.batch, fsdp=args.fsdp, units=units, loss=spec.loss,
+        optimizer=get_optimizer(args.optimizer).name, first_step=args.first_step, seq_len=report.seq_len,
+    )  # fmt: skip
+    saved = report.activation_bytes(args.batch)
+    rows = [[f"rank {m.rank}", format_bytes(m.peak), m.phase.value, format_bytes(m.saved)] for m in ranks]
+    rows.append(["fxmem (one rank)", format_bytes(predicted.bytes), predicted.phase.value, format_bytes(saved)])
+    step = "first step" if args.first_step else "steady step"
+    table = tabulate(rows, headers=["", f"Peak ({step}, B={args.batch} per rank)", "Phase", "Saved activations"], disable_numparse=True)
+    top = max(m.peak for m in ranks)
+    error = 100 * (predicted.bytes - top) / top if top else 0.0
+    exact = "exact" if all(m.saved == saved for m in ranks) else "differ"
+    return (
+        f"{table}\n\nPeak: highest rank {top} B, predicted {predicted.bytes} B ({error:+.2f}%); saved activations {exact} "
+        f"({saved} B predicted). Measured with torch.profiler on each rank; gloo's own buffers are outside the profiler, as NCCL's are on a GPU.\n"
+    )
 
 
 def _peak_comparison(predicted: Peak, measured: PeakMeasurement, device: str = "cpu") -> str:
@@ -464,12 +494,13 @@ def _run(args: argparse.Namespace) -> str:
         progress.close()
 
 
-def _note(message: Warning | str, category: type[Warning], *_args: object, **_kwargs: object) -> None:
-    """An FxmemWarning as one line on stderr (``fxmem: note: ...``); any other warning as Python shows it."""
+def _note(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None, line: str | None = None) -> None:
+    """An FxmemWarning as one line on stderr (``fxmem: note: ...``); any other warning as Python shows it
+    (``warnings.showwarning``'s arguments; ``file`` is stderr here)."""
     if issubclass(category, FxmemWarning):
         print(f"fxmem: note: {' '.join(str(message).split())}", file=sys.stderr)
     else:
-        sys.stderr.write(warnings.formatwarning(message, category, *_args, **_kwargs))  # type: ignore[arg-type]
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def _error(message: str) -> int:

@@ -56,6 +56,8 @@ class Report:
     """Per-device batches below this get the batch-norm caveat."""
     checkpointed: int = 0
     """How many ``torch.utils.checkpoint`` calls the graph runs as such (Note [Checkpointed regions])."""
+    fsdp_units: tuple[str, ...] = ()
+    """With ``--fsdp``: the modules fully_shard wrapped as units before the root."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -170,9 +172,12 @@ class Report:
             largest = self.max_batch(self.device_memory) if self.device_memory is not None else None
             batches = batches_to_try(largest, self.batch)
         rows = []
+        state = self.state.total
+        if self.setup is not None and self.setup.engine:  # one rank's state, the gathered weights (transient) aside
+            state = self.per_gpu.total - self.per_gpu.gathered.nbytes
         for b in batches:
             t = self.step_time(b)
-            rows.append(TradeoffRow(b, self.state.total, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share))
+            rows.append(TradeoffRow(b, state, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share))
         return tuple(rows)
 
     def batchnorm_caveat(self) -> str:

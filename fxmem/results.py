@@ -76,6 +76,8 @@ class Category(StrEnum):
       model's output, which the caller holds for the whole step.
     - TEMPORARY: anything else the step makes and releases: the forward's intermediate values, the
       gradients flowing through backward, the optimizer's per-parameter scratch tensors.
+    - COMMUNICATION: what a sharded step's engine allocates for its collectives (FSDP2's all-gather
+      buffers and the full-size weights it gathers into, its reduce-scatter buffers); fxmem/parallel.
     """
 
     PARAMETER = "parameter"
@@ -85,6 +87,7 @@ class Category(StrEnum):
     INPUT = "input"
     ACTIVATION = "activation"
     TEMPORARY = "temporary"
+    COMMUNICATION = "communication"
 
 
 STATE_CATEGORIES = (Category.PARAMETER, Category.BUFFER, Category.GRADIENT, Category.OPTIMIZER_STATE)
@@ -306,6 +309,11 @@ class Peak:
     @property
     def inputs(self) -> int:
         return self.breakdown.get(Category.INPUT, 0)
+
+    @property
+    def communication(self) -> int:
+        """A sharded step's engine buffers alive at the peak (FSDP2's gathered weights, its collectives' buffers)."""
+        return self.breakdown.get(Category.COMMUNICATION, 0)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ CATEGORY_COLORS = {
     Category.INPUT: "#937860",
     Category.ACTIVATION: "#55a868",
     Category.TEMPORARY: "#c44e52",
+    Category.COMMUNICATION: "#da8bc3",
 }
 """One colour per category, shared by the PNG and the HTML page (fxmem/output/html_report.py)."""
 

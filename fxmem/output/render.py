@@ -552,6 +552,8 @@ def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
         p = report.peak(b, first_step=first)
         where = f"in {p.phase} at {p.node}" + (f" ({p.fqn})" if p.fqn and p.fqn != p.node else "")
         parts = f"state {format_bytes(p.state)}, activations {format_bytes(p.saved)}, temporaries {format_bytes(p.temporaries)}, inputs {format_bytes(p.inputs)}"
+        if p.communication:
+            parts += f", FSDP2 buffers {format_bytes(p.communication)}"
         lines.append([f"Peak at {at} ({label})", format_bytes(p.bytes), f"{where}: {parts}"])
     return lines
 
@@ -732,7 +734,7 @@ def _peak_dict(report: Report) -> dict[str, Any]:
         out[key] = {
             "batch": p.batch, "bytes": p.bytes, "phase": p.phase.value, "node": p.node, "layer": p.fqn, "op": p.op,
             "breakdown": {c.value: n for c, n in p.breakdown.items()},
-            "split": {"state": p.state, "activations": p.saved, "temporaries": p.temporaries, "inputs": p.inputs},
+            "split": {"state": p.state, "activations": p.saved, "temporaries": p.temporaries, "inputs": p.inputs, "communication": p.communication},
             "device": _device_dict(p.device),
             "estimated": [{"what": x.what, "node": x.node, "layer": x.fqn, "op": x.op, "bytes": x.nbytes, "at_most": x.bound} for x in p.estimated],
             "with_estimates_at_their_bounds": p.upper,

@@ -24,10 +24,10 @@ from collections.abc import Iterator, Sequence
 from torch import nn
 
 from fxmem.errors import InputSpecError
-from fxmem.results import PerGpuState, ShardLine, StateBytes
+from fxmem.results import Category, Peak, PerGpuState, Phase, ShardLine, StateBytes, Timeline
 from fxmem.step.precision import get_recipe
 
-__all__ = ["STAGES", "check_plan", "shard_state", "units_of"]
+__all__ = ["STAGES", "check_plan", "engine_share", "fsdp_units", "shard_state", "units_of"]
 
 STAGES = ("none", "zero1", "zero2", "zero3", "fsdp")
 
@@ -168,3 +168,27 @@ def _count(params: Iterator[nn.Parameter], seen: set[int]) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def fsdp_units(model: nn.Module) -> tuple[str, ...]:
+    """The modules ``--fsdp`` wraps with ``fully_shard`` before the root: FSDP's default units of
+    ``units_of`` (each repeated block; else each top-level child), the root's own parameters aside."""
+    return tuple(fqn for fqn, _ in _block_units(model) if not fqn.startswith("("))
+
+
+def engine_share(steady: Timeline, peak: Peak, batch: int, seq: int | None, world_size: int) -> PerGpuState:
+    """One rank's state as the simulated FSDP2 step holds it (fxmem/parallel), not by formula: the
+    shards it starts with, the sharded gradients the step makes, and the engine's buffers at the peak."""
+    at = lambda c: steady.baseline[c].at(batch, seq) if c in steady.baseline else 0
+    grads = sum(e.nbytes.at(batch, seq) for e in steady.events if e.alloc and e.category == Category.GRADIENT and e.phase == Phase.BACKWARD)
+    who = f"FSDP2 over {world_size} ranks, simulated"
+    return PerGpuState(
+        "fsdp",
+        world_size,
+        ShardLine(at(Category.PARAMETER), f"this rank's padded shards ({who})"),
+        ShardLine(at(Category.BUFFER), "buffers replicated on every rank (fully_shard leaves them whole)"),
+        ShardLine(grads, "reduce-scattered gradient shards, kept until zero_grad"),
+        ShardLine(0, "no fp32 master copy: the shards are the weights"),
+        ShardLine(at(Category.OPTIMIZER_STATE), "optimizer state of this rank's shards"),
+        ShardLine(peak.breakdown.get(Category.COMMUNICATION, 0), "FSDP2's gathered weights and collective buffers alive at the peak"),
+    )

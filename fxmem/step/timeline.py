@@ -71,7 +71,7 @@ import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fxmem.engine.binding import bind_inputs, swapped_state
 from fxmem.engine.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
@@ -84,6 +84,8 @@ from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
 from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
+from fxmem.parallel import FsdpPlan, ModuleScopes, Scope, fake_world, gathered_parameters, shard_graph
+from fxmem.parallel.module_hooks import call_forward_hooks, call_pre_hooks
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.linear import in_aten_rnn, in_attention
 from fxmem.rules.optimizers import OptimizerRule
@@ -188,18 +190,41 @@ class _Tracker(TorchDispatchMode):
     """Whether backward is between two autograd nodes, where the engine sums gradients (Note [Gradients summed in place])."""
     summed: tuple[StorageWeakRef, StorageWeakRef] | None = None
     """(buffered gradient, the sum just made of it) where the sum may have been made in place."""
+    ranges: list[str] = field(default_factory=list)
+    """The ``record_function`` ranges open now, innermost last (Note [What a sharded step's engine allocates])."""
+    communication: set[int] = field(default_factory=set)
+    """Numbers of the storages allocated inside the sharding engine's own ranges."""
 
     def __post_init__(self) -> None:
         super().__init__()
         self._watch = _storage_deaths_are_seen()
+        self._sharded = False
+        """Whether the step runs on a fake process group (so DTensors reach this mode)."""
 
     def adopt(self, t: torch.Tensor, category: Category) -> None:
         """Register a storage that exists before the step and outlives it (weights, inputs)."""
-        self.permanent.setdefault(StorageWeakRef(t.untyped_storage()), (category, t.untyped_storage().nbytes()))
+        storage = _local(t).untyped_storage()
+        self.permanent.setdefault(StorageWeakRef(storage), (category, storage.nbytes()))
 
     def number(self, t: torch.Tensor) -> int | None:
-        entry = self.live.get(StorageWeakRef(t.untyped_storage()))
+        entry = self.live.get(StorageWeakRef(_local(t).untyped_storage()))
         return entry.number if entry is not None else None
+
+    def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A storage resized in place, which no op of this mode sees: FSDP2 frees a unit's gathered
+        weights by resizing their storage to 0 and gathers them again into the same storage
+        (Note [What a sharded step's engine allocates]). To 0 is a release, from 0 an allocation."""
+        if self.paused:
+            return
+        key = StorageWeakRef(storage)
+        self.poll()
+        if nbytes == 0 and key in self.live:
+            self.raw.append(_Raw(False, self.live.pop(key), self.phase, self.fqn))
+            self.watchers.pop(key, None)
+            self.scanned.discard(key)
+        elif nbytes > 0 and storage.nbytes() == 0 and key not in self.live and key not in self.permanent:
+            node, fqn = self._attribution(())
+            self._allocated_storage(storage, nbytes, node, fqn, self._label("resize_"))
 
     def poll(self, context: str | None = None) -> None:
         """Record the release of every storage that has died since the last poll, oldest first, as
@@ -274,11 +299,17 @@ class _Tracker(TorchDispatchMode):
         node, fqn = self._attribution(args)
         self.poll(fqn)
         out = func(*args, **kwargs)
+        if func in _RANGE_OPS:
+            self._track_range(func, args)
+            return out
+        result = out
+        if self._sharded:  # a DTensor op (the optimizer's on sharded state): what it does to the shards
+            args, kwargs, out = _locals(args), _locals(kwargs), _locals(out)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         op = str(func.overloadpacket)
         rule = self.rules.get(op)
         sizes = rule(args, kwargs, out) if rule is not None else {}
-        label = f"{op} (recomputed)" if self.recomputing else op
+        label = self._label(f"{op} (recomputed)" if self.recomputing else op)
         if _adds_in_place_for_real(func, args) and self._adds_in_place(args[0], out):
             outs = ()
         for i, t in enumerate(outs):
@@ -302,7 +333,26 @@ class _Tracker(TorchDispatchMode):
         for nbytes, at_batch in zip(lines, corrections):
             if not (isinstance(nbytes, int) and nbytes == 0):
                 self._transient(nbytes, node, fqn, f"{label} (workspace)", bound, at_batch)
-        return out
+        return result
+
+    def _track_range(self, func: Any, args: Any) -> None:
+        """Keep the stack of open ``record_function`` ranges (Note [What a sharded step's engine allocates])."""
+        if func is _RANGE_ENTER and args and isinstance(args[0], str):
+            self.ranges.append(args[0])
+        elif func is not _RANGE_ENTER and self.ranges:
+            self.ranges.pop()
+
+    def _label(self, op: str) -> str:
+        """An op's label: inside one of the sharding engine's ranges, the range's name before it."""
+        engine = self._engine_range()
+        return f"{engine}: {op}" if engine else op
+
+    def _engine_range(self) -> str:
+        """The innermost open range of the sharding engine, without the unit FSDP2 appends to its name
+        ("FSDP::all_gather (blocks.3)"): the event's node says where it ran, and a label that names
+        no block repeats with the blocks (Note [Repeated blocks] in fxmem/frontends/blocks.py)."""
+        found = next((r for r in reversed(self.ranges) if r.startswith(_ENGINE_RANGES)), "")
+        return found.split(" (", 1)[0]
 
     def _adds_in_place(self, source: torch.Tensor, out: torch.Tensor) -> bool:
         """Count ``out`` as ``source``'s storage, written in place, when ``source`` is the newest storage
@@ -339,15 +389,20 @@ class _Tracker(TorchDispatchMode):
         self.raw.append(_Raw(False, storage, self.phase, fqn))
 
     def _allocated(self, t: torch.Tensor, nbytes: object, node: str, fqn: str, op: str) -> None:
-        key = StorageWeakRef(t.untyped_storage())
+        self._allocated_storage(t.untyped_storage(), nbytes, node, fqn, op)
+
+    def _allocated_storage(self, untyped: torch.UntypedStorage, nbytes: object, node: str, fqn: str, op: str) -> None:
+        key = StorageWeakRef(untyped)
         if key in self.live or key in self.permanent:
             return
-        size = t.untyped_storage().nbytes() if nbytes is None else nbytes
+        size = untyped.nbytes() if nbytes is None else nbytes
         storage = _Storage(len(self.raw), size, node, fqn, op)
         self.newest = storage.number
         self.live[key] = storage
-        self._watch_death(key, t.untyped_storage())
+        self._watch_death(key, untyped)
         self.raw.append(_Raw(True, storage, self.phase, fqn))
+        if self._engine_range():
+            self.communication.add(storage.number)
         if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
             self.names[key] = node
 
@@ -376,10 +431,60 @@ class _Tracker(TorchDispatchMode):
         if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
             for a in tree_leaves(args):
                 if isinstance(a, torch.Tensor):
-                    name = self.names.get(StorageWeakRef(a.untyped_storage()))
+                    name = self.names.get(StorageWeakRef(_local(a).untyped_storage()))
                     if name is not None:
                         return name, _module_of(name)
         return self.node, self.fqn
+
+
+# Note [What a sharded step's engine allocates]
+#     On a fake process group (fxmem/parallel) the step runs FSDP2's own code, and what it allocates
+#     is seen as any op's allocation is, with three additions:
+#     * FSDP2 frees a unit's gathered weights by resizing their storage to 0 bytes and gathers them
+#       again into the same storage (``free_storage`` / ``alloc_storage`` in torch/distributed/fsdp/
+#       _fully_shard/_fsdp_common.py), which no dispatched op does: the tracker wraps
+#       ``UntypedStorage.resize_`` for the step and records a resize to 0 as a release, one from 0 as
+#       an allocation (torch's MemTracker, torch/distributed/_tools/mem_tracker.py, does the same).
+#     * The sharded parameters, their gradients and the optimizer state are DTensors. The tracker,
+#       a mode, sees an op on DTensors before DTensor runs it on the local shards, so it reads what
+#       the op did off the shards (``_local_tensor``), which hold the rank's storages.
+#     * Every collective FSDP2 runs sits inside a ``record_function`` range of its own ("FSDP::
+#       all_gather", "FSDP::post_backward_reduce", ...), which reaches the mode as a profiler op. What
+#       is allocated inside one is the engine's: its category is COMMUNICATION (unless it later
+#       holds the gradients, as the reduce-scatter output does), and its label names the range.
+
+_RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_RANGE_OPS = frozenset({_RANGE_ENTER, torch.ops.profiler._record_function_exit._RecordFunction})
+_ENGINE_RANGES = ("FSDP::",)
+"""The ``record_function`` names whose allocations are the sharding engine's."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a DTensor's storage on this rank (the tensor itself otherwise)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _locals(value: Any) -> Any:
+    """``value`` with every DTensor in it replaced by its local shard."""
+    return tree_map(lambda v: _local(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+@contextlib.contextmanager
+def _resizes_seen(tracker: _Tracker) -> Iterator[None]:
+    """Tell the tracker of every storage resized in place while the step runs (Note [What a sharded
+    step's engine allocates])."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, nbytes: int) -> Any:
+        tracker.resized(storage, int(nbytes))
+        return original(storage, nbytes)
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
 
 
 def _adds_in_place_for_real(func: Any, args: Any) -> bool:
@@ -437,13 +542,60 @@ class _Forward(RegionInterpreter):
     passthrough = _PASS_THROUGH
 
     def __init__(
-        self, gm: fx.GraphModule, tracker: _Tracker, fake: FakeBatch, model: str, kernels: Callable[[], AbstractContextManager[object]]
+        self,
+        gm: fx.GraphModule,
+        tracker: _Tracker,
+        fake: FakeBatch,
+        model: str,
+        kernels: Callable[[], AbstractContextManager[object]],
+        scopes: ModuleScopes | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True, model_label=model)
         self.tracker = tracker
         self.fake = fake
         self.kernels = kernels
+        self.scopes = scopes
+        """The hooked modules' stretches of the graph (Note [Module hooks on a flattened graph])."""
+        self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        """The arguments each hooked module's pre-hooks returned, kept until its hooks run (eager's frame holds them)."""
         _hold_python_locals(self)
+
+    def run_node(self, n: fx.Node) -> Any:
+        if self.scopes is None:
+            return super().run_node(n)
+        for scope in self.scopes.opening.get(n, ()):
+            self._enter(scope)
+        for i in n.all_input_nodes:  # a parameter as the hooks left it now (gathered or sharded), not as first read
+            if i.op == "get_attr":
+                self.env[i] = self.fetch_attr(str(i.target))
+        out = super().run_node(n)
+        for scope in self.scopes.closing.get(n, ()):
+            out = self._leave(scope, n, out)
+        return out
+
+    def _enter(self, scope: Scope) -> None:
+        """Call a module's pre-hooks with its arguments and go on with what they return."""
+        self.tracker.node, self.tracker.fqn = scope.first.name, scope.path
+        args = tuple(self.env[i] for i in scope.inputs)
+        new_args, kwargs = call_pre_hooks(scope.module, args, {})
+        for i, value in zip(scope.inputs, new_args):
+            self.env[i] = value
+        self.calls[scope.path] = (tuple(new_args), kwargs)
+
+    def _leave(self, scope: Scope, n: fx.Node, out: Any) -> Any:
+        """Call a module's forward hooks with its outputs and go on with what they return."""
+        self.tracker.node, self.tracker.fqn = n.name, scope.path
+        values = tuple(out if o is n else self.env[o] for o in scope.outputs)
+        args, kwargs = self.calls.pop(scope.path)
+        given = values[0] if len(values) == 1 else values
+        result = call_forward_hooks(scope.module, args, kwargs, given)
+        returned = (result,) if len(values) == 1 else tuple(result)
+        for o, value in zip(scope.outputs, returned):
+            if o is n:
+                out = value
+            else:
+                self.env[o] = value
+        return out
 
     @contextlib.contextmanager
     def recompute_context(self) -> Iterator[None]:
@@ -555,6 +707,7 @@ def simulate_step(
     optimizer_impl: str | None = None,
     state_dtype: torch.dtype | None = None,
     layouts: Mapping[str, LayoutRule] | None = None,
+    parallel: FsdpPlan | None = None,
 ) -> Timeline:
     """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
 
@@ -562,15 +715,19 @@ def simulate_step(
     ``TrainingSetup.kernels``); the optimizer is built with ``optimizer_impl`` (None: torch's default).
     ``state_dtype`` holds floating parameters and buffers in that dtype (see ``capture_saved``).
 
+    With ``parallel``, the step is one rank's of an FSDP2 run of that many ranks (fxmem/parallel):
+    ``batch`` is then the rank's own batch.
+
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
     """
     fake = fake_batch(specs, batch, seq, state_dtype)
-    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log():
+    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log(), _one_rank(gm, parallel, fake, model) as gm:
         tracker = _Tracker(rules, workspaces)
+        tracker._sharded = parallel is not None
         params = dict(gm.named_parameters())
         for name, p in params.items():
             tracker.adopt(p, Category.PARAMETER)
-            tracker.names[StorageWeakRef(p.untyped_storage())] = name
+            tracker.names[StorageWeakRef(_local(p).untyped_storage())] = name
         for name, b in gm.named_buffers():
             if not _traced_constant(name):  # made by the forward, each step: Note [Tensors made while tracing]
                 tracker.adopt(b, Category.BUFFER)
@@ -583,10 +740,25 @@ def simulate_step(
             # OpRuleMode on top only decomposes composite ops as eager CPU does, so that their inner ops
             # reach the tracker below it one by one; the tracker applies the op rules itself, since it
             # must know a storage's true size when it records the allocation.
-            with tracker, OpRuleMode({}, {}, layouts), _host_rng_states(tracker):
-                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels)
+            resizes = _resizes_seen(tracker) if parallel is not None else contextlib.nullcontext()
+            scopes = ModuleScopes.of(gm, parallel.paths, model) if parallel is not None else None
+            with tracker, OpRuleMode({}, {}, layouts), _host_rng_states(tracker), resizes:
+                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels, scopes)
     fake.check_symbols()
     return _timeline(tracker, categories, batch, fake)
+
+
+@contextlib.contextmanager
+def _one_rank(gm: fx.GraphModule, parallel: FsdpPlan | None, fake: FakeBatch, model: str) -> Iterator[fx.GraphModule]:
+    """The graph module the step runs: ``gm`` itself, or a copy sharded as one rank of ``parallel``
+    holds it, on a fake process group open for the step (fxmem/parallel)."""
+    if parallel is None:
+        yield gm
+        return
+    with fake_world(parallel.world_size, model) as mesh:
+        with fake.mode:
+            sharded = shard_graph(gm, parallel, mesh, model)
+        yield sharded
 
 
 def _run_step(
@@ -599,6 +771,7 @@ def _run_step(
     params: Mapping[str, torch.Tensor],
     model: str,
     kernels: Callable[[], AbstractContextManager[object]],
+    scopes: ModuleScopes | None = None,
 ) -> dict[int, Category]:
     """Run forward, loss, backward, step and zero_grad; return the categories decided along the way."""
     categories: dict[int, Category] = {}
@@ -610,7 +783,7 @@ def _run_step(
         return t.detach()  # not t itself: an output saved by its own grad_fn would make a reference cycle
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), kernels():
-        out = _Forward(gm, tracker, fake, model, kernels).run(*values)
+        out = _Forward(gm, tracker, fake, model, kernels, scopes).run(*values)
         tracker.poll()  # what died after the last op is released in the phase it died in
         tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
         output = loss.select(out, model)
@@ -622,7 +795,7 @@ def _run_step(
     tracker.poll()
     _mark(tracker, categories, out, Category.ACTIVATION)  # the caller holds the output
     _label_autograd(value, (LOSS_NODE, "(loss)"))
-    _label_accumulators(params, value)
+    _label_accumulators({**params, **gathered_parameters(gm)} if scopes is not None else params, value)
     tracker.phase = Phase.BACKWARD
     if value.requires_grad:  # nothing to differentiate when every parameter is frozen
         with _node_hooks(tracker, value):
@@ -632,7 +805,7 @@ def _run_step(
     for name, p in params.items():
         if p.grad is not None:
             _mark(tracker, categories, p.grad, Category.GRADIENT)
-            tracker.names[StorageWeakRef(p.grad.untyped_storage())] = name
+            tracker.names[StorageWeakRef(_local(p.grad).untyped_storage())] = name
     if opt is not None:
         _guarded(fake, model, "optimizer.step()", opt.step)
         tracker.poll()
@@ -641,6 +814,9 @@ def _run_step(
         opt.zero_grad(set_to_none=True)
         tracker.poll()
     del out, value
+    for number in tracker.communication:  # Note [What a sharded step's engine allocates]
+        if categories.get(number) not in (Category.GRADIENT, Category.OPTIMIZER_STATE):
+            categories[number] = Category.COMMUNICATION
     return categories
 
 

@@ -60,8 +60,14 @@ class TrainingSetup:
         check_plan(self.world_size, self.shard)
         if self.optimizer_impl is not None:
             _check_choice("optimizer_impl", self.optimizer_impl, IMPLS)
-        if self.shard != "none" and self.target != "cuda":
+        if self.shard != "none" and self.target != "cuda" and not self.engine:
             raise InputSpecError(f"--shard {self.shard} shards state across GPUs: use it with --target cuda.")
+        if self.engine and self.recipe not in ("fp32", "amp"):
+            raise InputSpecError(
+                f"--fsdp runs FSDP2 itself, whose low-precision weights come from its MixedPrecisionPolicy, which fxmem "
+                f"does not apply yet; --precision {self.recipe} with --fsdp is refused: use --amp bf16 (fp32 weights, "
+                "autocast compute) or --shard zero3 (the formula)."
+            )
         if self.target == "cuda":
             self.device  # noqa: B018 - fails early on an unknown --gpu
         self.release  # noqa: B018 - fails early on a malformed --torch-version
@@ -89,6 +95,12 @@ class TrainingSetup:
     @property
     def cuda(self) -> bool:
         return self.target == "cuda"
+
+    @property
+    def engine(self) -> bool:
+        """Whether the step is simulated as one rank of a real FSDP2 run (fxmem/parallel) rather than
+        divided by DeepSpeed's formulas: ``--shard fsdp`` (``--fsdp N``) with more than one GPU."""
+        return self.shard == "fsdp" and self.world_size > 1
 
     @property
     def distributed(self) -> bool:
@@ -145,7 +157,8 @@ class TrainingSetup:
         where = "cpu" if not self.cuda else f"cuda: {self.device.label}"
         parts = [where, f"precision {self.recipe}" + (f" (autocast {self.amp})" if self.amp else "")]
         if self.distributed:
-            parts.append(f"{self.world_size} GPU{'s' if self.world_size > 1 else ''}, shard {self.shard}")
+            how = "FSDP2 (fully_shard), one rank simulated" if self.engine else f"shard {self.shard}"
+            parts.append(f"{self.world_size} GPU{'s' if self.world_size > 1 else ''}, {how}")
         if self.optimizer_impl:
             parts.append(f"optimizer {self.optimizer_impl}")
         if self.torch_version is not None:

@@ -1,0 +1,233 @@
+"""The truth for a sharded step: the same step on N processes of this machine's CPU, for real.
+
+``measure_ranks`` starts ``torchrun --standalone --nproc_per_node N`` on this module; each process
+joins a gloo process group, applies ``fully_shard`` to the same units and then the root, as the
+simulation does (fxmem/parallel), and measures its own rank as ``measure_peak`` measures one process
+(Note [Reading the peak from the profiler] in fxmem/measure.py): the peak of one real training step,
+and the bytes autograd saved for backward, sized when forward has ended (FSDP2 has freed the gathered
+weights it saved by then; their storages are not activations and are left out, as are the shards,
+buffers, batch and target).
+
+Note [Ranks of one real step]
+    gloo's collectives run on its own worker thread. Its all-gather into one flat tensor allocates
+    a transient buffer of the full gathered size through the CPU allocator, twice, and frees it
+    (profiled: an alloc/free pair of 50,816 B, one GPT test block's fp32 weights, before each unit's
+    copy-out), at a moment relative to the main thread that varies from run to run; NCCL needs no
+    such buffer from the caching allocator, and the fake process group allocates none. Where that
+    moment falls inside a rank's highest point, the rank peaks higher by up to one unit's gathered
+    bytes (seen on rank 0, in the first step of one run and the steady step of another; the other
+    ranks agree with the simulation within 0.2%). A prediction of one rank is compared with the
+    lowest rank, and the highest may exceed it by one unit's gathered weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxmem.engine.losses import get_loss
+from fxmem.errors import CaptureError, InputSpecError
+from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
+from fxmem.measure import _highest, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
+from fxmem.results import Phase
+from fxmem.step.state import get_optimizer
+
+__all__ = ["RankMeasurement", "measure_ranks"]
+
+
+@dataclass(frozen=True)
+class RankMeasurement:
+    """One rank's real step: its peak (baseline included), where it fell, and its saved activations."""
+
+    rank: int
+    peak: int
+    phase: Phase
+    baseline: int
+    saved: int
+    """Activation bytes autograd saved on this rank, sized when forward has ended."""
+    phases: dict[Phase, int]
+
+
+def measure_ranks(
+    model: nn.Module,
+    inputs: InputSpecs,
+    batch: int,
+    *,
+    fsdp: int,
+    units: tuple[str, ...] = (),
+    loss: str = "sum",
+    optimizer: str = "adamw",
+    first_step: bool = False,
+    seed: int = 0,
+    seq_len: int | None = None,
+    timeout: float = 600.0,
+) -> tuple[RankMeasurement, ...]:
+    """Run one real training step of ``model`` sharded by FSDP2 over ``fsdp`` CPU processes (``units``
+    wrapped first, then the root), ``batch`` samples on each rank; each rank's measurement."""
+    check_batch(batch)
+    specs = parse_inputs(inputs)
+    get_loss(loss), get_optimizer(optimizer)  # fail here, not in N processes
+    if not isinstance(fsdp, int) or fsdp < 2:
+        raise InputSpecError(f"measure_ranks needs --fsdp 2 or more processes; got {fsdp!r}.")
+    torch.manual_seed(seed)
+    real = materialize(model).train()
+    config = {
+        "model": real, "specs": specs, "batch": batch, "units": list(units), "loss": loss, "optimizer": optimizer, "first_step": first_step,
+        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "name": type(model).__name__,
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="fxmem-ranks-") as where:
+        folder = Path(where)
+        torch.save(config, folder / "step.pt")
+        _launch(folder, fsdp, timeout, type(model).__name__)
+        return tuple(_read(folder / f"rank{r}.json") for r in range(fsdp))
+
+
+def _launch(folder: Path, ranks: int, timeout: float, name: str) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "fxmem.measure_ranks",
+        str(folder),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise CaptureError(
+            f"model '{name}': the real {ranks}-process step did not finish within {timeout:.0f} s; try a smaller model or batch."
+        ) from e
+    if done.returncode != 0:
+        errors = sorted(folder.glob("rank*.error"))
+        why = errors[0].read_text() if errors else " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])[:600]
+        raise CaptureError(f"model '{name}': the real {ranks}-process step failed (torchrun exit {done.returncode}): {why}")
+
+
+def _read(path: Path) -> RankMeasurement:
+    data = json.loads(path.read_text())
+    phases = {Phase(k): v for k, v in data["phases"].items()}
+    return RankMeasurement(data["rank"], data["peak"], Phase(data["phase"]), data["baseline"], data["saved"], phases)
+
+
+def _rank_main(folder: Path) -> None:
+    """One process of ``measure_ranks``: shard, take the step, write ``rank{N}.json``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    config = torch.load(folder / "step.pt", weights_only=False)
+    torch.set_num_threads(config["threads"])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = config["model"].train()
+    for path in config["units"]:
+        fully_shard(model.get_submodule(path), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    specs, loss_fn, rule = config["specs"], get_loss(config["loss"]), get_optimizer(config["optimizer"])
+    torch.manual_seed(config["seed"])
+    tensors = [make_input(s, config["batch"], config["seq_len"]) for s in specs]
+    args = [t for s, t in zip(specs, tensors) if s.name is None]
+    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    name = config["name"]
+    with torch.no_grad():
+        target = loss_fn.make_target(loss_fn.select(model(*args, **kwargs), name))
+    _reshard(model)  # the root keeps its gathered weights after a forward; a step starts sharded
+    opt = _optimizer(model, rule)
+    if not config["first_step"]:
+        _real_step(model, args, kwargs, loss_fn, target, opt, name, lambda _: contextlib.nullcontext())
+    held = [*model.parameters(), *model.buffers(), *tensors_of(specs, tensors), *([target] if target is not None else [])]
+    held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    baseline = sum(_storages(held).values())
+    with _quiet_stderr(), _profiled() as prof:
+        _real_step(model, args, kwargs, loss_fn, target, opt, name, _profiler_range)
+    top, _, phase, tops = _highest(prof)
+    saved = _saved_bytes(model, args, kwargs, loss_fn, target, name, held)
+    opt.zero_grad(set_to_none=True)
+    result = {
+        "rank": rank, "peak": baseline + top, "phase": phase.value, "baseline": baseline, "saved": saved,
+        "phases": {p.value: baseline + t for p, t in tops.items()},
+    }  # fmt: skip
+    (folder / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _reshard(model: nn.Module) -> None:
+    """Free every gathered weight: the state a training step starts from (a forward without backward
+    leaves the root's gathered, ``reshard_after_forward=False`` being the root's default)."""
+    for module in model.modules():
+        reshard = getattr(module, "reshard", None)
+        if callable(reshard) and hasattr(module, "_get_fsdp_state"):
+            reshard()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _storages(tensors: list[Any]) -> dict[StorageWeakRef, int]:
+    """Each distinct storage the tensors (a DTensor: its local shard) hold, with its bytes."""
+    found: dict[StorageWeakRef, int] = {}
+    for t in tensors:
+        storage = _local(t).untyped_storage()
+        found.setdefault(StorageWeakRef(storage), storage.nbytes())
+    return found
+
+
+def _saved_bytes(model: nn.Module, args: list[Any], kwargs: dict[str, Any], loss: Any, target: Any, name: str, held: list[Any]) -> int:
+    """Bytes autograd saved in one forward and loss, each storage once, sized when forward has ended,
+    leaving out the state, the batch, the target and the weights FSDP2 gathered (Note [Ranks of one real step])."""
+    saved: dict[StorageWeakRef, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _local(t).untyped_storage()
+        saved.setdefault(StorageWeakRef(storage), storage)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*args, **kwargs)
+        value = loss.compute(loss.select(out, name), target)
+    excluded = set(_storages(held)) | set(_storages(_gathered(model)))
+    total = sum(s.nbytes() for key, s in saved.items() if key not in excluded)
+    value.backward()
+    return total
+
+
+def _gathered(model: nn.Module) -> list[torch.Tensor]:
+    """The full-size parameters FSDP2 gathers into, for every unit of ``model``."""
+    found = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is not None:
+            for group in state()._fsdp_param_groups:
+                found += [p._unsharded_param for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
+    return found
+
+
+def _main(folder: Path) -> None:
+    """A rank's failure written where ``measure_ranks`` reads it (torchrun's own report names no cause)."""
+    try:
+        _rank_main(folder)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:400]
+        (folder / f"rank{os.environ.get('RANK', '0')}.error").write_text(f"rank {os.environ.get('RANK', '0')}: {type(e).__name__}: {first}")
+        raise
+
+
+if __name__ == "__main__":
+    _main(Path(sys.argv[1]))

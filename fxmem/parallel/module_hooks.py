@@ -1,0 +1,130 @@
+"""Module hooks on a flattened graph: where each module's code begins and ends among the graph's
+nodes, and the module's own forward hooks called there.
+
+Note [Module hooks on a flattened graph]
+    torch.distributed's parallelisms act through hooks on modules: ``fully_shard`` all-gathers a
+    unit's weights in a forward pre-hook and frees them in a forward hook, where it also hooks the
+    outputs for backward (torch/distributed/fsdp/_fully_shard/_fsdp_state.py, ``FSDPState.init``);
+    tensor parallel moves inputs and outputs between layouts the same way. An fx graph traced through
+    a module's forward has no call of it left (only ``torch.nn`` leaves stay calls), so those hooks
+    would never fire. Every node keeps the module stack it was traced in (``nn_module_stack``); the
+    nodes of one module are contiguous in the graph, as its code ran in one call. ``ModuleScopes``
+    finds, for each hooked module, its first and last node, the values it reads from outside (its
+    arguments, as the call received them) and the values it hands out (its outputs), and the
+    interpreter calls the module's pre-hooks before the first node and its hooks after the last, in
+    ``nn.Module._call_impl``'s order, with those values, and goes on with what the hooks return in
+    their place. The root module's scope is the whole graph, its arguments the graph's inputs, its
+    output the graph's. A leaf module (a call_module node) fires its own hooks when it is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from fxmem.errors import CaptureError
+
+__all__ = ["ModuleScopes", "Scope", "call_forward_hooks", "call_pre_hooks"]
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One module's stretch of the graph: Note [Module hooks on a flattened graph]."""
+
+    path: str
+    module: nn.Module
+    first: fx.Node
+    last: fx.Node
+    inputs: tuple[fx.Node, ...]
+    """Values made outside the module and read inside it: its arguments."""
+    outputs: tuple[fx.Node, ...]
+    """Values made inside the module and read after it: its outputs (the output node's for the root)."""
+
+
+@dataclass(frozen=True)
+class ModuleScopes:
+    """The scopes of the hooked modules of a graph, by the node that opens and the node that closes them."""
+
+    opening: Mapping[fx.Node, tuple[Scope, ...]]
+    """Outermost first."""
+    closing: Mapping[fx.Node, tuple[Scope, ...]]
+    """Innermost first."""
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, paths: Iterable[str], model: str = "model") -> ModuleScopes:
+        """The scopes of the modules at ``paths`` ("" the root) in ``gm``'s module tree."""
+        scopes = [_scope(gm, path, model) for path in sorted(set(paths), key=_depth)]
+        opening: dict[fx.Node, list[Scope]] = {}
+        closing: dict[fx.Node, list[Scope]] = {}
+        for s in scopes:
+            opening.setdefault(s.first, []).append(s)
+            closing.setdefault(s.last, []).insert(0, s)
+        return cls({n: tuple(v) for n, v in opening.items()}, {n: tuple(v) for n, v in closing.items()})
+
+
+def _depth(path: str) -> int:
+    return 0 if not path else path.count(".") + 1
+
+
+def _scope(gm: fx.GraphModule, path: str, model: str) -> Scope:
+    module = gm.get_submodule(path)
+    nodes = list(gm.graph.nodes)
+    if not path:  # get_attr nodes may come before the inputs (torch.export's graphs): a weight is read where it is used
+        inside = [n for n in nodes if n.op not in ("placeholder", "get_attr")]
+    else:
+        inside = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output") and _within(_path_of(n), path)]
+    if not inside:
+        raise CaptureError(
+            f"model '{model}': module '{path}' ({type(module).__name__}) runs no operation in the traced graph, so its "
+            "hooks have nowhere to fire; wrap a module that computes something in the forward."
+        )
+    members = set(inside)
+    index = {n: i for i, n in enumerate(nodes)}
+    span = nodes[index[inside[0]] : index[inside[-1]] + 1]
+    inputs = _unique(i for n in inside for i in n.all_input_nodes if i not in members and i.op != "get_attr")
+    leaving = _unique(n for n in span if n in members and any(u not in members for u in n.users))
+    outputs = leaving if path else (inside[-1],)
+    return Scope(path, module, inside[0], inside[-1], inputs, outputs)
+
+
+def _path_of(n: fx.Node) -> str:
+    if n.op == "call_module":
+        return str(n.target)
+    stack = n.meta.get("nn_module_stack") or {}
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
+def _within(fqn: str, path: str) -> bool:
+    return fqn == path or fqn.startswith(path + ".")
+
+
+def _unique(nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
+    return tuple(dict.fromkeys(nodes))
+
+
+def call_pre_hooks(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The module's forward pre-hooks, in ``nn.Module._call_impl``'s order and with its conventions."""
+    for hook_id, hook in list(module._forward_pre_hooks.items()):
+        if hook_id in module._forward_pre_hooks_with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def call_forward_hooks(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+    """The module's forward hooks, in ``nn.Module._call_impl``'s order; the output they leave."""
+    for hook_id, hook in list(module._forward_hooks.items()):
+        with_kwargs = hook_id in module._forward_hooks_with_kwargs
+        result = hook(module, args, kwargs, output) if with_kwargs else hook(module, args, output)
+        if result is not None:
+            output = result
+    return output

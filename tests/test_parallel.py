@@ -1,0 +1,109 @@
+"""One rank of FSDP2, simulated on a fake process group (fxmem/parallel), against the same step run
+for real on two CPU processes (torchrun, gloo), each rank measured with the profiler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxmem
+from fxmem.errors import InputSpecError
+from fxmem.frontends.tracing import trace_model
+from fxmem.inputs import parse_inputs
+from fxmem.measure_ranks import measure_ranks
+from fxmem.parallel import ModuleScopes, fake_world
+from fxmem.results import Category
+from models_zoo.gpt2_small import build
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
+
+BATCH = 4
+
+
+def _gpt() -> tuple[torch.nn.Module, list[str]]:
+    spec = build(test=True)  # 2 pre-LN blocks, d=32, context 16
+    return spec.model, list(spec.inputs)
+
+
+def test_scope_of_a_block_is_its_call() -> None:
+    """A GPT block's forward is ``x = x + attn(ln1(x)); x = x + mlp(ln2(x)); return x``: one argument
+    (the embeddings after dropout for block 0, block 0's output for block 1), one output (the second
+    residual add), its first node ``ln1`` and its last that add. The root's scope is the whole graph."""
+    model, inputs = _gpt()
+    gm = trace_model(model, parse_inputs(inputs)).gm
+    scopes = ModuleScopes.of(gm, ["blocks.0", "blocks.1", ""])
+    by_path = {s.path: s for group in scopes.opening.values() for s in group}
+    first, second, root = by_path["blocks.0"], by_path["blocks.1"], by_path[""]
+    assert first.first.name == "blocks_0_ln1" and [n.name for n in first.inputs] == ["drop"]
+    assert [n.name for n in first.outputs] == [first.last.name] == [n.name for n in second.inputs]
+    assert second.first.name == "blocks_1_ln1"
+    assert [n.name for n in root.inputs] == ["idx"] and root.last.op == "output"
+    assert scopes.closing[root.last] == (root,)
+
+
+@pytest.fixture(scope="module")
+def simulated() -> fxmem.Report:
+    model, inputs = _gpt()
+    return fxmem.analyze(model, inputs, batch=BATCH, target="cpu", fsdp=2)
+
+
+def test_fsdp_shards_state_and_keeps_activations(simulated: fxmem.Report) -> None:
+    """Per rank: the weights, gradients and optimizer state are the rank's padded shards (each
+    parameter's first dimension split in two, here evenly: half of the whole), the saved activations
+    at the rank's batch those of one GPU, and the gathered weights are the engine's buffers."""
+    model, inputs = _gpt()
+    whole = fxmem.analyze(model, inputs, batch=BATCH, target="cpu")
+    share = simulated.per_gpu
+    params = list(model.parameters())  # the tied LM head's weight once
+    # fully_shard splits each parameter's first dimension as torch.chunk does: rank 0 holds ceil(rows / 2) rows
+    shard = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * p.element_size() for p in params)
+    assert share.weights.nbytes == shard
+    assert share.gradients.nbytes == shard
+    assert share.optimizer.nbytes == 2 * shard + 4 * len(params)  # AdamW: two moments and a 4-byte step per parameter
+    assert simulated.activation_bytes(BATCH) == whole.activation_bytes(BATCH)
+    assert simulated.peak(BATCH).breakdown.get(Category.COMMUNICATION, 0) > 0
+
+
+@pytest.mark.parametrize("first_step", [False, True], ids=["steady", "first"])
+def test_fsdp_rank_matches_real_ranks(simulated: fxmem.Report, first_step: bool) -> None:
+    """The same step on two real processes: each rank's saved activations and starting state are the
+    simulated rank's to the byte, and its peak within 1% of the lowest rank's (Note [Ranks of one real
+    step] in fxmem/measure_ranks.py: a rank can also hold one unit's reduce-scatter input longer)."""
+    model, inputs = _gpt()
+    ranks = measure_ranks(model, inputs, BATCH, fsdp=2, units=simulated.fsdp_units, first_step=first_step)
+    predicted = simulated.peak(BATCH, first_step=first_step)
+    timeline = simulated.timeline(BATCH, first_step=first_step)
+    baseline = sum(v.at(BATCH) for v in timeline.baseline.values())
+    assert [m.saved for m in ranks] == [simulated.activation_bytes(BATCH)] * 2
+    # rank 1 holds floor(rows / 2) rows of a parameter with odd rows; its padded shard storage is rank 0's
+    # size, but the optimizer's moments (zeros_like of the shard) are one row smaller, each
+    short = 0 if first_step else sum(2 * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters() if p.shape[0] % 2)
+    assert [m.baseline for m in ranks] == [baseline, baseline - short]
+    lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
+    assert abs(predicted.bytes - lowest) <= 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())  # one block's gathered weights
+    assert highest <= predicted.bytes + unit + 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
+    assert predicted.phase == min(ranks, key=lambda m: m.peak).phase
+
+
+def test_fsdp_refuses_what_it_cannot_do() -> None:
+    model, inputs = _gpt()
+    with pytest.raises(InputSpecError, match=r"'blocks\.9' is not a submodule"):
+        fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2, fsdp_units=["blocks.9"])
+    with pytest.raises(InputSpecError, match="cannot be combined with --world-size 4"):
+        fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2, world_size=4, shard="zero2")
+    with pytest.raises(InputSpecError, match="--no-peak"):
+        fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2, peak=False)
+    with pytest.raises(InputSpecError, match="MixedPrecisionPolicy"):
+        fxmem.analyze(model, inputs, batch=2, fsdp=2, precision="mixed")
+    with pytest.raises(InputSpecError, match="only --fsdp N"):
+        fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp_units=["blocks.0"])
+
+
+def test_fake_world_is_closed_and_not_nested() -> None:
+    with fake_world(4) as mesh:
+        assert mesh.size() == 4 and dist.get_world_size() == 4
+        with pytest.raises(InputSpecError, match=r"already has a torch\.distributed process group"), fake_world(2):
+            pass
+    assert not dist.is_initialized()
