@@ -426,7 +426,8 @@ def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, pr
     exact = "exact" if all(m.saved == saved for m in ranks) else "differ"
     return (
         f"{table}\n\nPeak: highest rank {top} B, predicted {predicted.bytes} B ({error:+.2f}%); saved activations {exact} "
-        f"({saved} B predicted). Measured with torch.profiler on each rank; gloo's own buffers are outside the profiler, as NCCL's are on a GPU.\n"
+        f"({saved} B predicted). Measured with torch.profiler on each rank, gloo's own buffers left out as NCCL's are outside torch's allocator "
+        "(see Note [Ranks of one real step] in fxmem/measure_ranks.py).\n"
     )
 
 

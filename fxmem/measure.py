@@ -369,15 +369,20 @@ def _name(event: object) -> str:
         return ""
 
 
-def _highest(prof: torch.profiler.profile) -> tuple[int, int, Phase, dict[Phase, int]]:
+def _highest(
+    prof: torch.profiler.profile, leave_out: Callable[[list[Any]], set[int]] | None = None
+) -> tuple[int, int, Phase, dict[Phase, int]]:
     """(highest running sum of allocations and frees, the time it is reached, its phase, and the highest
-    running sum inside each phase's range)."""
+    running sum inside each phase's range). ``leave_out`` names allocation events (by ``id``) not to count."""
     from torch._C._profiler import _EventType
 
     events = _events(prof)
     named = [(e, _name(e)) for e in events]
     ranges = [(e.start_time_ns, e.end_time_ns, Phase(n[len(_PHASE_RANGE) :])) for e, n in named if n.startswith(_PHASE_RANGE)]
     allocations = sorted((e for e in events if e.typed[0] == _EventType.Allocation), key=lambda e: e.start_time_ns)
+    if leave_out is not None:
+        skipped = leave_out(allocations)
+        allocations = [e for e in allocations if id(e) not in skipped]
     running, top, at = 0, 0, 0
     tops: dict[Phase, int] = {}
     for e in allocations:

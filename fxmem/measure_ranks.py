@@ -9,15 +9,22 @@ weights it saved by then; their storages are not activations and are left out, a
 buffers, batch and target).
 
 Note [Ranks of one real step]
-    gloo's collectives run on its own worker thread. Its all-gather into one flat tensor allocates
-    a transient buffer of the full gathered size through the CPU allocator, twice, and frees it
-    (profiled: an alloc/free pair of 50,816 B, one GPT test block's fp32 weights, before each unit's
-    copy-out), at a moment relative to the main thread that varies from run to run; NCCL needs no
-    such buffer from the caching allocator, and the fake process group allocates none. Where that
-    moment falls inside a rank's highest point, the rank peaks higher by up to one unit's gathered
-    bytes (seen on rank 0, in the first step of one run and the steady step of another; the other
-    ranks agree with the simulation within 0.2%). A prediction of one rank is compared with the
-    lowest rank, and the highest may exceed it by one unit's gathered weights.
+    The fake process group allocates nothing inside a collective, as NCCL allocates nothing from
+    torch's caching allocator (its buffers are its own). gloo's collectives do allocate through the
+    CPU allocator, and the profiler sees it (profiled on this machine, a HF Llama test config whose
+    layer holds 37,120 B of fp32 weights): a full-size copy inside ``c10d::_allgather_base_``, freed
+    within it; a full-size input copy inside ``c10d::_reduce_scatter_base_``, freed when
+    ``reduce_scatter_tensor`` returns; transient buffers on gloo's worker threads. Those are the
+    backend's, not the step's: a rank's ``peak`` leaves out every allocation made on another thread
+    than the step's or inside a ``c10d::`` / ``gloo:`` op, and its free (the profiler gives both one
+    ``allocation_id``); ``with_backend`` keeps them. What is left is the simulated rank's to the byte
+    on most runs (the GPT and Llama test configs, both ranks, first and steady step; a rank with
+    fewer rows of a parameter holds that many fewer bytes of optimizer state). On some runs one rank
+    peaked higher by one unit's gathered weights (50,816 B, a GPT test block's; or 15,360 B, its
+    root's), alive at that rank's highest point and freed later than on the other rank: when FSDP2
+    frees a unit's buffers follows the completion of gloo's asynchronous collectives, which a fake
+    group completes at once. A prediction of one rank is compared with the lowest rank, and the
+    highest may exceed it by at most one unit's gathered weights.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +48,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxmem.engine.losses import get_loss
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
-from fxmem.measure import _highest, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
+from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
 from fxmem.results import Phase
 from fxmem.step.state import get_optimizer
 
@@ -57,6 +66,8 @@ class RankMeasurement:
     saved: int
     """Activation bytes autograd saved on this rank, sized when forward has ended."""
     phases: dict[Phase, int]
+    with_backend: int
+    """The peak with the process group backend's own buffers counted too (Note [Ranks of one real step])."""
 
 
 def measure_ranks(
@@ -105,22 +116,26 @@ def _launch(folder: Path, ranks: int, timeout: float, name: str) -> None:
         str(folder),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise CaptureError(
-            f"model '{name}': the real {ranks}-process step did not finish within {timeout:.0f} s; try a smaller model or batch."
-        ) from e
-    if done.returncode != 0:
+    # a session of its own, so that a step that hangs is killed with every rank torchrun started
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) as run:
+        try:
+            out, err = run.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.communicate()
+            raise CaptureError(
+                f"model '{name}': the real {ranks}-process step did not finish within {timeout:.0f} s; try a smaller model or batch."
+            ) from e
+    if run.returncode != 0 and not all((folder / f"rank{r}.json").exists() for r in range(ranks)):
         errors = sorted(folder.glob("rank*.error"))
-        why = errors[0].read_text() if errors else " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])[:600]
-        raise CaptureError(f"model '{name}': the real {ranks}-process step failed (torchrun exit {done.returncode}): {why}")
+        why = errors[0].read_text() if errors else " ".join((err or out).strip().splitlines()[-3:])[:600]
+        raise CaptureError(f"model '{name}': the real {ranks}-process step failed (torchrun exit {run.returncode}): {why}")
 
 
 def _read(path: Path) -> RankMeasurement:
     data = json.loads(path.read_text())
     phases = {Phase(k): v for k, v in data["phases"].items()}
-    return RankMeasurement(data["rank"], data["peak"], Phase(data["phase"]), data["baseline"], data["saved"], phases)
+    return RankMeasurement(data["rank"], data["peak"], Phase(data["phase"]), data["baseline"], data["saved"], phases, data["with_backend"])
 
 
 def _rank_main(folder: Path) -> None:
@@ -155,15 +170,36 @@ def _rank_main(folder: Path) -> None:
     baseline = sum(_storages(held).values())
     with _quiet_stderr(), _profiled() as prof:
         _real_step(model, args, kwargs, loss_fn, target, opt, name, _profiler_range)
-    top, _, phase, tops = _highest(prof)
+    top, _, phase, tops = _highest(prof, _backend_allocations)
+    everything, _, _, _ = _highest(prof)
     saved = _saved_bytes(model, args, kwargs, loss_fn, target, name, held)
     opt.zero_grad(set_to_none=True)
     result = {
-        "rank": rank, "peak": baseline + top, "phase": phase.value, "baseline": baseline, "saved": saved,
+        "rank": rank, "peak": baseline + top, "phase": phase.value, "baseline": baseline, "saved": saved, "with_backend": baseline + everything,
         "phases": {p.value: baseline + t for p, t in tops.items()},
     }  # fmt: skip
     (folder / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _backend_allocations(allocations: list[Any]) -> set[int]:
+    """The allocation events (by ``id``) that are the process group backend's own, and their frees
+    (the profiler gives an allocation and its free one ``allocation_id``): made on another thread
+    than the step's, or inside a collective's own op (``c10d::...``). Note [Ranks of one real step]."""
+    main = Counter(e.start_tid for e in allocations).most_common(1)[0][0] if allocations else 0
+    backend = {
+        e.typed[1].allocation_id for e in allocations if e.typed[1].alloc_size > 0 and (e.start_tid != main or _inside_collective(e))
+    }
+    return {id(e) for e in allocations if e.typed[1].allocation_id in backend}
+
+
+def _inside_collective(event: Any) -> bool:
+    parent = event.parent
+    while parent is not None:
+        if _name(parent).startswith(("c10d::", "gloo:")):
+            return True
+        parent = parent.parent
+    return False
 
 
 def _reshard(model: nn.Module) -> None:
@@ -227,6 +263,8 @@ def _main(folder: Path) -> None:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:400]
         (folder / f"rank{os.environ.get('RANK', '0')}.error").write_text(f"rank {os.environ.get('RANK', '0')}: {type(e).__name__}: {first}")
         raise
+    sys.stdout.flush()
+    os._exit(0)  # the result is written: no interpreter teardown, where gloo's threads can abort the process
 
 
 if __name__ == "__main__":
