@@ -1,9 +1,13 @@
 """Per-GPU model state of a 7B and a 70B GPT under each sharding stage, as a markdown table.
 
-Mixed-precision AdamW (bf16 weights and gradients, fp32 master copy and moments: 16 bytes per
-parameter, the ZeRO paper's 2 + 2 + 12) on N data-parallel GPUs, divided as DeepSpeed ZeRO and PyTorch
-FSDP divide it (fxmem/step/sharding.py), with the transient all-gathered units of ZeRO-3 and FSDP. The models
-are built on the meta device, so this takes seconds and no memory.
+ZeRO rows: mixed-precision AdamW (bf16 weights and gradients, fp32 master copy and moments: 16 bytes
+per parameter, the ZeRO paper's 2 + 2 + 12) on N data-parallel GPUs, divided as DeepSpeed ZeRO divides
+it, by formula (fxmem/step/sharding.py), with ZeRO-3's gathered units. The fsdp rows are not a formula:
+one rank of FSDP2 itself (``fully_shard`` on each block, then the root, on a fake process group of N
+ranks; fxmem/parallel) simulated through a whole step at B=1 on the cuda target. FSDP2 keeps fp32
+shards, so its 16 bytes per parameter are 4 + 4 + 8 (weights, gradients, moments; no separate master
+copy), and "gathered" is what its own buffers hold at the step's peak. The models are built on the
+meta device, so this takes a minute and no memory.
 
     python benchmarks/per_gpu.py            # N = 8
     python benchmarks/per_gpu.py 64         # N = 64
@@ -15,6 +19,7 @@ import sys
 
 import torch
 
+import fxmem
 from fxmem.output.render import format_bytes
 from fxmem.step.sharding import STAGES, shard_state, units_of
 from fxmem.step.state import get_optimizer, state_bytes
@@ -34,12 +39,23 @@ def rows(name: str, world_size: int) -> list[list[str]]:
     state = state_bytes(model, optimizer=get_optimizer("adamw"), precision="mixed", target="cuda")
     out = []
     for stage in STAGES:
-        units = units_of(model, stage) if stage in ("zero3", "fsdp") else []
+        if stage == "fsdp":
+            out.append(_engine_row(name, model, ctx, world_size))
+            continue
+        units = units_of(model, stage) if stage == "zero3" else []
         share = shard_state(state, world_size=1 if stage == "none" else world_size, stage=stage, units=units)
         cells = [share.weights, share.gradients, share.master, share.optimizer, share.gathered]
         gpus = 1 if stage == "none" else world_size
         out.append([name, f"{stage} x {gpus}", *(format_bytes(c.nbytes) for c in cells), format_bytes(share.total)])
     return out
+
+
+def _engine_row(name: str, model: torch.nn.Module, ctx: int, world_size: int) -> list[str]:
+    """One rank of FSDP2 over ``world_size``, simulated (fp32 shards and AdamW, B=1)."""
+    report = fxmem.analyze(model, [f"B,{ctx}:int64"], loss="lm_cross_entropy", batch=1, fsdp=world_size)
+    share = report.per_gpu
+    cells = [share.weights, share.gradients, share.master, share.optimizer, share.gathered]
+    return [name, f"fsdp x {world_size} (FSDP2 run, fp32)", *(format_bytes(c.nbytes) for c in cells), format_bytes(share.total)]
 
 
 def main(argv: list[str]) -> int:
