@@ -3,6 +3,8 @@ for real on two CPU processes (torchrun, gloo), each rank measured with the prof
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,11 +104,12 @@ def test_fsdp_refuses_what_it_cannot_do() -> None:
 
 
 def test_fake_world_is_closed_and_not_nested() -> None:
+    hook = sys.excepthook
     with fake_world(4) as mesh:
         assert mesh.size() == 4 and dist.get_world_size() == 4
         with pytest.raises(InputSpecError, match=r"already has a torch\.distributed process group"), fake_world(2):
             pass
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() and sys.excepthook is hook  # no "[rank0]:" prefix on this process's tracebacks
 
 
 @pytest.mark.parametrize("first_step", [False, True], ids=["steady", "first"])
@@ -131,3 +134,19 @@ def test_fsdp_hugging_face_llama_through_export(first_step: bool) -> None:
     assert abs(predicted.bytes - lowest) <= 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
     unit = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())  # one layer's gathered weights
     assert highest <= predicted.bytes + unit + 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
+
+
+def test_cli_analyze_and_measure_with_fsdp(capsys: pytest.CaptureFixture[str]) -> None:
+    """``fxmem analyze --fsdp 2`` says what one rank holds; ``fxmem measure --peak --fsdp 2`` runs the
+    ranks for real and prints each beside the simulated one."""
+    from fxmem.cli import main
+
+    assert main(["analyze", "zoo:gpt2-small:test", "--target", "cpu", "--fsdp", "2", "--batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "2 GPUs, FSDP2 (fully_shard), one rank simulated" in text and "State per GPU (2 ranks, FSDP2 run)" in text
+    assert "FSDP2 buffers" in text and "one rank of FSDP2 over 2 (fully_shard on 2 units and the root)" in text
+    assert main(["measure", "zoo:gpt2-small:test", "--peak", "--target", "cpu", "--fsdp", "2", "--batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0" in text and "rank 1" in text and "fxmem (one rank)" in text and "saved activations exact" in text
+    assert main(["measure", "zoo:gpt2-small:test", "--fsdp", "2"]) == 2  # one real forward has no ranks to shard
+    assert "--fsdp" in capsys.readouterr().err

@@ -606,7 +606,8 @@ def _per_gpu_lines(report: Report) -> list[list[str]]:
     setup, share = report.setup, report.per_gpu
     if setup is None or share is None or not setup.distributed:
         return []
-    head = [f"State per GPU ({setup.world_size} x {setup.shard})", format_bytes(share.total), "of the model state above, on each GPU"]
+    how = f"{setup.world_size} ranks, FSDP2 run" if setup.engine else f"{setup.world_size} x {setup.shard}"
+    head = [f"State per GPU ({how})", format_bytes(share.total), "of the model state above, on each GPU"]
     return [head, *([f"· {name}", format_bytes(line.nbytes), line.why] for name, line in share.lines() if line.nbytes)]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch.distributed as dist
@@ -37,8 +38,10 @@ def fake_world(world_size: int, model: str = "model") -> Iterator[DeviceMesh]:
         )
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+    hook = sys.excepthook  # init_process_group prefixes every later traceback with "[rank0]:"; this process is no rank
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
