@@ -19,7 +19,7 @@ from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.tracing import trace_model
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
-from fxmem.parallel import FsdpPlan
+from fxmem.parallel import FsdpPlan, one_rank
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
@@ -110,7 +110,7 @@ def analyze(
     gm = traced.gm
     plan = _fsdp_plan(model, setup, fsdp_units, peak, name)
     shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
-    accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow)
+    accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan)
     say("counting model state")
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     state, per_gpu, device = _state(model, opt, param_dtype, setup, impl)
@@ -144,7 +144,7 @@ def _state(
     state = count(setup.precision or None, param_dtype)
     units = units_of(model, setup.shard) if setup.shard in ("zero3", "fsdp") else []
     if setup.engine:  # the simulated step is one rank's already: nothing to scale (engine_share says what it holds)
-        per_gpu = shard_state(state, world_size=1, stage="none")
+        per_gpu = shard_state(count(None, param_dtype), world_size=1, stage="none")
     else:
         per_gpu = shard_state(state, world_size=setup.world_size, stage=setup.shard, units=units)
     if not setup.cuda:
@@ -279,6 +279,7 @@ def _account(
     strict: bool,
     setup: TrainingSetup,
     shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
+    plan: FsdpPlan | None = None,
 ) -> Accounting:
     """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B.
 
@@ -286,7 +287,7 @@ def _account(
     With ``shallow``, each pass is made from the model cut to 3 and 4 blocks where it extends exactly
     (Note [Saved tensors from three blocks]), else run on the whole model.
     """
-    run, path = _fast_capture(gm, shallow, lambda graph: _pass(graph, specs, loss, name, strict, setup))
+    run, path = _fast_capture(gm, shallow, lambda graph: _pass(graph, specs, loss, name, strict, setup, plan))
     return replace(_passes(run, say, seq), path=path())
 
 
@@ -370,10 +371,19 @@ def _batch_one(run: Callable[[int | None, int | None], Capture], seq: int | None
 
 
 def _pass(
-    gm: fx.GraphModule, specs: tuple[InputSpec, ...], loss: Loss, name: str, strict: bool, setup: TrainingSetup
+    gm: fx.GraphModule,
+    specs: tuple[InputSpec, ...],
+    loss: Loss,
+    name: str,
+    strict: bool,
+    setup: TrainingSetup,
+    plan: FsdpPlan | None = None,
 ) -> Callable[[int | None, int | None], Capture]:
-    """One fake pass at (batch, seq); None makes that axis symbolic."""
+    """One fake pass at (batch, seq); None makes that axis symbolic. With ``plan``, on one rank of FSDP2:
+    its gathered weights are state, and a MixedPrecisionPolicy decides the dtype of what is saved."""
     rules, layouts, kernels = op_rules_for(setup.target), layout_rules_for(setup.target), setup.kernels()
+    rank = plan.within(gm) if plan is not None else None
+    sharded = (lambda graph, mode: one_rank(rank, graph, mode, name)) if rank is not None else None
 
     def run(batch: int | None, seq: int | None) -> Capture:
         return capture_saved(
@@ -388,6 +398,7 @@ def _pass(
             kernels=kernels,
             state_dtype=setup.state_dtype,
             layouts=layouts,
+            sharded=sharded,
         )
 
     return run
@@ -447,7 +458,7 @@ def _fsdp_plan(model: nn.Module, setup: TrainingSetup, units: Iterable[str] | No
             f"model '{name}': FSDP unit {missing[0]!r} is not a submodule path of the model; name modules such as "
             f"{', '.join(repr(u) for u in fsdp_units(model)[:3]) or repr(next(iter(modules), ''))}."
         )
-    return FsdpPlan(setup.world_size, chosen)
+    return FsdpPlan(setup.world_size, chosen, mixed=setup.fsdp_mixed)
 
 
 def _silent(_message: str) -> None:

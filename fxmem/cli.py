@@ -375,7 +375,8 @@ def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer
 def _check_measurable(args: argparse.Namespace) -> None:
     """A real run is one forward (or with --peak one step) on one device in the model's own dtypes: the
     setup options it cannot honour are refused rather than silently left out of both sides."""
-    flags = {"--world-size": args.world_size != 1, "--shard": args.shard != "none", "--precision": bool(args.precision)}
+    fsdp_mixed = args.fsdp != 1 and args.peak and args.precision == "mixed"  # FSDP2's MixedPrecisionPolicy: the real ranks run it
+    flags = {"--world-size": args.world_size != 1, "--shard": args.shard != "none", "--precision": bool(args.precision) and not fsdp_mixed}
     flags["--fsdp"] = args.fsdp != 1 and not args.peak  # one real rank per process: a whole step only
     flags["--torch-version"] = args.torch_version is not None  # the real run is the installed torch's
     if not args.peak:
@@ -415,6 +416,7 @@ def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, pr
     ranks = measure_ranks(
         materialize(spec.model), spec.inputs, args.batch, fsdp=args.fsdp, units=units, loss=spec.loss,
         optimizer=get_optimizer(args.optimizer).name, first_step=args.first_step, seq_len=report.seq_len,
+        mixed=report.setup.fsdp_mixed,
     )  # fmt: skip
     saved = report.activation_bytes(args.batch)
     rows = [[f"rank {m.rank}", format_bytes(m.peak), m.phase.value, format_bytes(m.saved)] for m in ranks]

@@ -82,10 +82,12 @@ def measure_ranks(
     first_step: bool = False,
     seed: int = 0,
     seq_len: int | None = None,
+    mixed: bool = False,
     timeout: float = 600.0,
 ) -> tuple[RankMeasurement, ...]:
     """Run one real training step of ``model`` sharded by FSDP2 over ``fsdp`` CPU processes (``units``
-    wrapped first, then the root), ``batch`` samples on each rank; each rank's measurement."""
+    wrapped first, then the root), ``batch`` samples on each rank; each rank's measurement. ``mixed``:
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``."""
     check_batch(batch)
     specs = parse_inputs(inputs)
     get_loss(loss), get_optimizer(optimizer)  # fail here, not in N processes
@@ -95,7 +97,7 @@ def measure_ranks(
     real = materialize(model).train()
     config = {
         "model": real, "specs": specs, "batch": batch, "units": list(units), "loss": loss, "optimizer": optimizer, "first_step": first_step,
-        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "name": type(model).__name__,
+        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "mixed": mixed, "name": type(model).__name__,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fxmem-ranks-") as where:
         folder = Path(where)
@@ -142,7 +144,7 @@ def _rank_main(folder: Path) -> None:
     """One process of ``measure_ranks``: shard, take the step, write ``rank{N}.json``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     config = torch.load(folder / "step.pt", weights_only=False)
     torch.set_num_threads(config["threads"])
@@ -150,9 +152,10 @@ def _rank_main(folder: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model = config["model"].train()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config["mixed"] else MixedPrecisionPolicy()
     for path in config["units"]:
-        fully_shard(model.get_submodule(path), mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     specs, loss_fn, rule = config["specs"], get_loss(config["loss"]), get_optimizer(config["optimizer"])
     torch.manual_seed(config["seed"])
     tensors = [make_input(s, config["batch"], config["seq_len"]) for s in specs]

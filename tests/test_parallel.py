@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 
 import fxmem
+from fxmem.engine.module_hooks import ModuleScopes
 from fxmem.errors import InputSpecError
 from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import parse_inputs
 from fxmem.measure_ranks import measure_ranks
-from fxmem.parallel import ModuleScopes, fake_world
+from fxmem.parallel import fake_world
 from fxmem.results import Category
 from models_zoo.gpt2_small import build
 
@@ -98,7 +99,7 @@ def test_fsdp_refuses_what_it_cannot_do() -> None:
     with pytest.raises(InputSpecError, match="--no-peak"):
         fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2, peak=False)
     with pytest.raises(InputSpecError, match="MixedPrecisionPolicy"):
-        fxmem.analyze(model, inputs, batch=2, fsdp=2, precision="mixed")
+        fxmem.analyze(model, inputs, batch=2, fsdp=2, precision="bf16")
     with pytest.raises(InputSpecError, match="only --fsdp N"):
         fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp_units=["blocks.0"])
 
@@ -150,3 +151,21 @@ def test_cli_analyze_and_measure_with_fsdp(capsys: pytest.CaptureFixture[str]) -
     assert "rank 0" in text and "rank 1" in text and "fxmem (one rank)" in text and "saved activations exact" in text
     assert main(["measure", "zoo:gpt2-small:test", "--fsdp", "2"]) == 2  # one real forward has no ranks to shard
     assert "--fsdp" in capsys.readouterr().err
+
+
+def test_fsdp_mixed_precision_policy() -> None:
+    """``precision="mixed"`` runs FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)``: fp32 shards, weights gathered and computed in bf16, so what autograd saves
+    is bf16. The simulated rank's saved bytes and steady peak against two real ranks with that policy."""
+    model, inputs = _gpt()
+    report = fxmem.analyze(model, inputs, batch=BATCH, target="cpu", fsdp=2, precision="mixed")
+    fp32 = fxmem.analyze(model, inputs, batch=BATCH, target="cpu", fsdp=2)
+    assert report.per_gpu.weights == fp32.per_gpu.weights  # FSDP2 keeps fp32 shards whatever the policy
+    assert report.activation_bytes(BATCH) < fp32.activation_bytes(BATCH)
+    ranks = measure_ranks(model, inputs, BATCH, fsdp=2, units=report.fsdp_units, mixed=True)
+    assert [m.saved for m in ranks] == [report.activation_bytes(BATCH)] * 2
+    lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
+    predicted = report.peak(BATCH).bytes
+    assert abs(predicted - lowest) <= 0.01 * lowest, (predicted, [m.peak for m in ranks])
+    unit = sum(p.numel() * 2 for p in model.blocks[0].parameters())  # one block's weights gathered in bf16
+    assert highest <= predicted + unit + 0.01 * lowest, (predicted, [m.peak for m in ranks])

@@ -16,7 +16,7 @@ from fxmem.errors import InputSpecError
 from fxmem.inputs import Constant, InputSpec
 from fxmem.results import Kind
 
-__all__ = ["bind_inputs", "fake_like", "state_kinds", "swapped_state"]
+__all__ = ["bind_inputs", "fake_like", "state_kinds", "storage_of", "swapped_state"]
 
 
 def bind_inputs(gm: fx.GraphModule, specs: Sequence[InputSpec], tensors: Sequence[torch.Tensor], model: str) -> list[Any]:
@@ -93,6 +93,12 @@ def fake_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 
 def state_kinds(gm: fx.GraphModule) -> dict[StorageWeakRef, Kind]:
-    kinds = {StorageWeakRef(b.untyped_storage()): Kind.BUFFER for b in gm.buffers()}
-    kinds.update({StorageWeakRef(p.untyped_storage()): Kind.PARAM for p in gm.parameters()})
+    kinds = {StorageWeakRef(storage_of(b)): Kind.BUFFER for b in gm.buffers()}
+    kinds.update({StorageWeakRef(storage_of(p)): Kind.PARAM for p in gm.parameters()})
     return kinds
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding ``t`` in this process: a DTensor's (a sharded parameter's) is its local shard's."""
+    local = getattr(t, "_local_tensor", None)
+    return (local if isinstance(local, torch.Tensor) else t).untyped_storage()

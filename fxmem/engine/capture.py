@@ -33,9 +33,10 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from fxmem.engine.binding import bind_inputs, fake_like, state_kinds, swapped_state
+from fxmem.engine.binding import bind_inputs, fake_like, state_kinds, storage_of, swapped_state
 from fxmem.engine.dispatch import DtypeMismatch, LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.losses import Loss
+from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes, Scope
 from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
@@ -183,7 +184,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _Recorder(RegionInterpreter):
+class _Recorder(ModuleHooks, RegionInterpreter):
     """An fx Interpreter that installs the saved-tensor hooks around each node it runs.
 
     Inside a checkpointed region it installs none: the checkpoint's own hooks decide what the region
@@ -192,10 +193,17 @@ class _Recorder(RegionInterpreter):
 
     passthrough = (FxmemError, SymbolicUnsupported, KeyboardInterrupt)
 
-    def __init__(self, gm: fx.GraphModule, book: _Book, model_name: str) -> None:
+    def __init__(self, gm: fx.GraphModule, book: _Book, model_name: str, scopes: ModuleScopes | None = None) -> None:
         super().__init__(gm, garbage_collect_values=False, model_label=model_name)
         self.book = book
         self.infos: list[NodeInfo] = []
+        self.scopes = scopes
+
+    def entered(self, scope: Scope) -> None:
+        """The parameters a hooked module's code uses now (a sharding engine's gathered copies) are
+        state, not activations, when autograd saves them: Note [Module hooks on a flattened graph]."""
+        for p in scope.module.parameters():
+            self.book.kinds.setdefault(StorageWeakRef(storage_of(p)), Kind.PARAM)
 
     def region_call(self, region: Region) -> AbstractContextManager[object]:
         self.book.current = region.first.name
@@ -313,8 +321,8 @@ def _new_symbol(shape_env: ShapeEnv, name: str, hint: int) -> int | torch.SymInt
     return shape_env.create_symintnode(sym, hint=hint, source=source)
 
 
-def _run(gm: fx.GraphModule, book: _Book, values: list[Any], loss: Loss, model: str) -> list[NodeInfo]:
-    recorder = _Recorder(gm, book, model)
+def _run(gm: fx.GraphModule, book: _Book, values: list[Any], loss: Loss, model: str, scopes: ModuleScopes | None = None) -> list[NodeInfo]:
+    recorder = _Recorder(gm, book, model, scopes)
     out = recorder.run(*values)
     recorder.infos.append(_run_loss(out, loss, book, model))
     return recorder.infos
@@ -332,6 +340,11 @@ def _run_loss(out: object, loss: Loss, book: _Book, model: str) -> NodeInfo:
     return NodeInfo(LOSS_NODE, "loss", loss.name, "(loss)", ())
 
 
+Sharding = Callable[[fx.GraphModule, FakeTensorMode], AbstractContextManager[tuple[fx.GraphModule, ModuleScopes | None]]]
+"""A pass's sharding engine: the graph module (state already fake) to the copy one rank runs and the
+modules whose hooks it calls, for the length of the pass (fxmem/parallel: ``one_rank``)."""
+
+
 def capture_saved(
     gm: fx.GraphModule,
     specs: Sequence[InputSpec],
@@ -345,22 +358,25 @@ def capture_saved(
     kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     state_dtype: torch.dtype | None = None,
     layouts: Mapping[str, LayoutRule] | None = None,
+    sharded: Sharding | None = None,
 ) -> Capture:
     """Run ``gm`` on fake tensors at a concrete ``batch``, or with a symbolic B when ``batch`` is None.
 
     Inputs with a sequence axis S get ``seq``, or one symbolic S when ``seq`` is None. The forward and
     the loss run inside ``kernels()``: the target device's kernel choices and autocast policy
     (``TrainingSetup.kernels``). ``state_dtype`` holds the floating parameters and buffers in that dtype
-    (a precision recipe's, as ``model.to(dtype)`` would), without touching the model.
+    (a precision recipe's, as ``model.to(dtype)`` would), without touching the model. ``sharded``
+    runs the pass on one rank of a sharding engine instead (fxmem/parallel: ``one_rank``).
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B (and S).
     """
     fake = fake_batch(specs, batch, seq, state_dtype)
-    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log():
+    rank = sharded(gm, fake.mode) if sharded is not None else contextlib.nullcontext((gm, None))
+    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log(), rank as (gm, scopes):
         book = _new_book(gm, tensors_of(specs, fake.inputs), fake.symbols.get("B"), fake.symbols.get("S"))
         book.strict = strict
         values = bind_inputs(gm, specs, fake.inputs, model)
         with fake.mode, OpRuleMode(rules, book.overrides, layouts), kernels():
-            infos = _run(gm, book, values, loss, model)
+            infos = _run(gm, book, values, loss, model, scopes)
     fake.check_symbols()
     try:
         saved = book.saved_tensors()

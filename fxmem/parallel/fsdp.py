@@ -3,18 +3,24 @@ applies it to the model: each unit, then the root."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from fxmem.engine.module_hooks import ModuleScopes
 from fxmem.errors import CaptureError, InputSpecError
+from fxmem.parallel.fake_group import fake_world
 
-__all__ = ["FsdpPlan", "gathered_parameters", "shard_graph"]
+__all__ = ["FsdpPlan", "gathered_parameters", "one_rank", "shard_graph"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,15 @@ class FsdpPlan:
     reshard_after_forward: bool = True
     """FSDP2's default: a unit's gathered weights are freed after its forward and gathered again for
     its backward (the root's are kept, as ``fully_shard`` does for the root by default)."""
+    mixed: bool = False
+    """``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: weights
+    gathered and computed in bf16, gradients reduced in fp32 into fp32 shards."""
+
+    def policy(self) -> MixedPrecisionPolicy:
+        """The ``mp_policy`` every ``fully_shard`` call gets."""
+        if not self.mixed:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or isinstance(self.world_size, bool) or self.world_size < 1:
@@ -62,16 +77,28 @@ def shard_graph(gm: fx.GraphModule, plan: FsdpPlan, mesh: DeviceMesh, model: str
             unit = sharded.get_submodule(path)
         except AttributeError as e:
             raise InputSpecError(f"model '{model}': --fsdp unit '{path}' is not a module of the model ({e}); name a module path.") from e
-        _shard(unit, path, mesh, plan.reshard_after_forward, model)
-    _shard(sharded, "", mesh, False, model)
+        _shard(unit, path, mesh, plan.reshard_after_forward, plan.policy(), model)
+    _shard(sharded, "", mesh, False, plan.policy(), model)
     return sharded
 
 
-def _shard(module: nn.Module, path: str, mesh: DeviceMesh, reshard: bool, model: str) -> None:
+@contextlib.contextmanager
+def one_rank(
+    plan: FsdpPlan, gm: fx.GraphModule, mode: FakeTensorMode, model: str = "model"
+) -> Iterator[tuple[fx.GraphModule, ModuleScopes]]:
+    """For the length of one pass: ``gm`` sharded as rank 0 of ``plan`` holds it (its state already
+    fake, in ``mode``), on a fake process group, and the scopes of the modules whose hooks the pass calls."""
+    with fake_world(plan.world_size, model) as mesh:
+        with mode:
+            sharded = shard_graph(gm, plan, mesh, model)
+        yield sharded, ModuleScopes.of(sharded, plan.paths, model)
+
+
+def _shard(module: nn.Module, path: str, mesh: DeviceMesh, reshard: bool, policy: MixedPrecisionPolicy, model: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     try:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     except Exception as e:
         where = f"module '{path}'" if path else "the root module"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

@@ -78,14 +78,14 @@ from fxmem.engine.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake
 from fxmem.engine.dispatch import LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.flops import OpCost, is_view_like, op_cost
 from fxmem.engine.losses import Loss
+from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes, Scope
 from fxmem.engine.recompute import SIGNALS as CHECKPOINT_SIGNALS
 from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
 from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
-from fxmem.parallel import FsdpPlan, ModuleScopes, Scope, fake_world, gathered_parameters, shard_graph
-from fxmem.parallel.module_hooks import call_forward_hooks, call_pre_hooks
+from fxmem.parallel import FsdpPlan, gathered_parameters, one_rank
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.linear import in_aten_rnn, in_attention
 from fxmem.rules.optimizers import OptimizerRule
@@ -532,7 +532,7 @@ _PASS_THROUGH: tuple[type[BaseException], ...] = (FxmemError, SymbolicUnsupporte
 """What a node's failure handler re-raises as it is: fxmem's own errors, Ctrl-C, checkpoint's early stop."""
 
 
-class _Forward(RegionInterpreter):
+class _Forward(ModuleHooks, RegionInterpreter):
     """Runs the graph freeing each value after its last use, telling the tracker which node runs, and
     labelling the autograd nodes each fx node creates so that backward's ops are charged to it.
 
@@ -556,46 +556,10 @@ class _Forward(RegionInterpreter):
         self.kernels = kernels
         self.scopes = scopes
         """The hooked modules' stretches of the graph (Note [Module hooks on a flattened graph])."""
-        self.calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        """The arguments each hooked module's pre-hooks returned, kept until its hooks run (eager's frame holds them)."""
         _hold_python_locals(self)
 
-    def run_node(self, n: fx.Node) -> Any:
-        if self.scopes is None:
-            return super().run_node(n)
-        for scope in self.scopes.opening.get(n, ()):
-            self._enter(scope)
-        for i in n.all_input_nodes:  # a parameter as the hooks left it now (gathered or sharded), not as first read
-            if i.op == "get_attr":
-                self.env[i] = self.fetch_attr(str(i.target))
-        out = super().run_node(n)
-        for scope in self.scopes.closing.get(n, ()):
-            out = self._leave(scope, n, out)
-        return out
-
-    def _enter(self, scope: Scope) -> None:
-        """Call a module's pre-hooks with its arguments and go on with what they return."""
-        self.tracker.node, self.tracker.fqn = scope.first.name, scope.path
-        args = tuple(self.env[i] for i in scope.inputs)
-        new_args, kwargs = call_pre_hooks(scope.module, args, {})
-        for i, value in zip(scope.inputs, new_args):
-            self.env[i] = value
-        self.calls[scope.path] = (tuple(new_args), kwargs)
-
-    def _leave(self, scope: Scope, n: fx.Node, out: Any) -> Any:
-        """Call a module's forward hooks with its outputs and go on with what they return."""
-        self.tracker.node, self.tracker.fqn = n.name, scope.path
-        values = tuple(out if o is n else self.env[o] for o in scope.outputs)
-        args, kwargs = self.calls.pop(scope.path)
-        given = values[0] if len(values) == 1 else values
-        result = call_forward_hooks(scope.module, args, kwargs, given)
-        returned = (result,) if len(values) == 1 else tuple(result)
-        for o, value in zip(scope.outputs, returned):
-            if o is n:
-                out = value
-            else:
-                self.env[o] = value
-        return out
+    def hooks_run(self, scope: Scope, node: fx.Node) -> None:
+        self.tracker.node, self.tracker.fqn = node.name, scope.path
 
     @contextlib.contextmanager
     def recompute_context(self) -> Iterator[None]:
@@ -721,7 +685,7 @@ def simulate_step(
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
     """
     fake = fake_batch(specs, batch, seq, state_dtype)
-    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log(), _one_rank(gm, parallel, fake, model) as gm:
+    with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log(), _one_rank(gm, parallel, fake, model) as (gm, scopes):
         tracker = _Tracker(rules, workspaces)
         tracker._sharded = parallel is not None
         params = dict(gm.named_parameters())
@@ -741,24 +705,20 @@ def simulate_step(
             # reach the tracker below it one by one; the tracker applies the op rules itself, since it
             # must know a storage's true size when it records the allocation.
             resizes = _resizes_seen(tracker) if parallel is not None else contextlib.nullcontext()
-            scopes = ModuleScopes.of(gm, parallel.paths, model) if parallel is not None else None
             with tracker, OpRuleMode({}, {}, layouts), _host_rng_states(tracker), resizes:
                 categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels, scopes)
     fake.check_symbols()
     return _timeline(tracker, categories, batch, fake)
 
 
-@contextlib.contextmanager
-def _one_rank(gm: fx.GraphModule, parallel: FsdpPlan | None, fake: FakeBatch, model: str) -> Iterator[fx.GraphModule]:
-    """The graph module the step runs: ``gm`` itself, or a copy sharded as one rank of ``parallel``
-    holds it, on a fake process group open for the step (fxmem/parallel)."""
+def _one_rank(
+    gm: fx.GraphModule, parallel: FsdpPlan | None, fake: FakeBatch, model: str
+) -> AbstractContextManager[tuple[fx.GraphModule, ModuleScopes | None]]:
+    """The graph module the step runs, and the modules whose hooks it calls: ``gm`` itself, or a copy
+    sharded as one rank of ``parallel`` holds it, on a fake process group open for the step."""
     if parallel is None:
-        yield gm
-        return
-    with fake_world(parallel.world_size, model) as mesh:
-        with fake.mode:
-            sharded = shard_graph(gm, parallel, mesh, model)
-        yield sharded
+        return contextlib.nullcontext((gm, None))
+    return one_rank(parallel, gm, fake.mode, model)
 
 
 def _run_step(

@@ -62,11 +62,11 @@ class TrainingSetup:
             _check_choice("optimizer_impl", self.optimizer_impl, IMPLS)
         if self.shard != "none" and self.target != "cuda" and not self.engine:
             raise InputSpecError(f"--shard {self.shard} shards state across GPUs: use it with --target cuda.")
-        if self.engine and self.recipe not in ("fp32", "amp"):
+        if self.engine and self.recipe not in ENGINE_RECIPES:
             raise InputSpecError(
-                f"--fsdp runs FSDP2 itself, whose low-precision weights come from its MixedPrecisionPolicy, which fxmem "
-                f"does not apply yet; --precision {self.recipe} with --fsdp is refused: use --amp bf16 (fp32 weights, "
-                "autocast compute) or --shard zero3 (the formula)."
+                f"--fsdp runs FSDP2 itself, which keeps fp32 shards and takes low precision from its MixedPrecisionPolicy: "
+                f"--precision {self.recipe} has no FSDP2 form; use fp32, amp, or mixed (bf16 gathered weights and compute, "
+                "fp32 shards, gradients and optimizer state), or --shard zero3 (DeepSpeed's formula)."
             )
         if self.target == "cuda":
             self.device  # noqa: B018 - fails early on an unknown --gpu
@@ -103,6 +103,13 @@ class TrainingSetup:
         return self.shard == "fsdp" and self.world_size > 1
 
     @property
+    def fsdp_mixed(self) -> bool:
+        """Whether FSDP2 runs with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``:
+        the ``mixed`` recipe's form in FSDP2 (the same 16 bytes of state per AdamW parameter, held as
+        fp32 shards, fp32 gradient shards and fp32 moments; the gathered weights and the compute bf16)."""
+        return self.engine and self.recipe == "mixed"
+
+    @property
     def distributed(self) -> bool:
         """Whether the state is divided among GPUs (more than one, or a sharding stage named)."""
         return self.world_size > 1 or self.shard != "none"
@@ -127,7 +134,7 @@ class TrainingSetup:
     def state_dtype(self) -> torch.dtype | None:
         """The dtype the model's floating weights are held (and computed) in under an explicit recipe
         with low-precision weights (bf16, mixed): the step is simulated as after ``model.to(dtype)``."""
-        if not self.precision:
+        if not self.precision or self.engine:  # FSDP2 holds fp32 shards whatever the recipe (``fsdp_mixed``)
             return None
         from fxmem.step.precision import get_recipe
 
@@ -164,6 +171,10 @@ class TrainingSetup:
         if self.torch_version is not None:
             parts.append(f"torch {self.torch_version}")
         return ", ".join(parts)
+
+
+ENGINE_RECIPES = ("fp32", "amp", "mixed")
+"""The recipes ``--fsdp`` runs: FSDP2 keeps fp32 shards, and ``mixed`` is its bf16 MixedPrecisionPolicy."""
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from fxmem.errors import CaptureError
 
-__all__ = ["ModuleScopes", "Scope", "call_forward_hooks", "call_pre_hooks"]
+__all__ = ["ModuleHooks", "ModuleScopes", "Scope", "call_forward_hooks", "call_pre_hooks"]
 
 
 @dataclass(frozen=True)
@@ -128,3 +128,62 @@ def call_forward_hooks(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
         if result is not None:
             output = result
     return output
+
+
+class ModuleHooks(fx.Interpreter):
+    """What an interpreter of a flattened graph adds to call its hooked modules' hooks (mixed in
+    before the interpreter class): Note [Module hooks on a flattened graph]. With ``scopes`` None it
+    runs as the interpreter it is mixed into."""
+
+    scopes: ModuleScopes | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        if self.scopes is None:
+            return super().run_node(n)
+        for scope in self.scopes.opening.get(n, ()):
+            self._enter(scope)
+        for i in n.all_input_nodes:  # a parameter as the hooks left it now (gathered or sharded), not as first read
+            if i.op == "get_attr":
+                self.env[i] = self.fetch_attr(str(i.target))
+        out = super().run_node(n)
+        for scope in self.scopes.closing.get(n, ()):
+            out = self._leave(scope, n, out)
+        return out
+
+    def hooks_run(self, scope: Scope, node: fx.Node) -> None:
+        """Called as a module's hooks are about to run at ``node``: subclasses note where they are."""
+
+    def entered(self, scope: Scope) -> None:
+        """Called after a module's pre-hooks ran (its parameters are now what its code uses)."""
+
+    def _enter(self, scope: Scope) -> None:
+        """Call a module's pre-hooks with its arguments and go on with what they return."""
+        self.hooks_run(scope, scope.first)
+        args = tuple(self.env[i] for i in scope.inputs)
+        new_args, kwargs = call_pre_hooks(scope.module, args, {})
+        for i, value in zip(scope.inputs, new_args):
+            self.env[i] = value
+        self._calls()[scope.path] = (tuple(new_args), kwargs)
+        self.entered(scope)
+
+    def _leave(self, scope: Scope, n: fx.Node, out: Any) -> Any:
+        """Call a module's forward hooks with its outputs and go on with what they return."""
+        self.hooks_run(scope, n)
+        values = tuple(out if o is n else self.env[o] for o in scope.outputs)
+        args, kwargs = self._calls().pop(scope.path)
+        given = values[0] if len(values) == 1 else values
+        result = call_forward_hooks(scope.module, args, kwargs, given)
+        returned = (result,) if len(values) == 1 else tuple(result)
+        for o, value in zip(scope.outputs, returned):
+            if o is n:
+                out = value
+            else:
+                self.env[o] = value
+        return out
+
+    def _calls(self) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+        """The arguments each hooked module's pre-hooks returned, kept until its hooks run (eager's
+        frame holds them as long)."""
+        if not hasattr(self, "_module_calls"):
+            self._module_calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        return self._module_calls
