@@ -9,7 +9,8 @@ AVX2 kernels, so everything here skips on other CPUs (AVX512 has its own, in tes
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+import random
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -21,7 +22,15 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from fxmem.results import WorkspaceLines
 from fxmem.rules.onednn_conv import ConvShape, highest
-from fxmem.rules.onednn_conv_avx2 import _forward_kernel, _weight_kernel, as_2d, avx2_backward_marks
+from fxmem.rules.onednn_conv_avx2 import (
+    _depthwise_ok,
+    _dw_weights_ok,
+    _forward_kernel,
+    _weight_kernel,
+    as_2d,
+    avx2_backward_marks,
+    onednn_avx2_convolution,
+)
 from fxmem.rules.ops import convolution_backward_workspace, convolution_workspace
 from tests.helpers import assert_step_peak
 from tests.test_workspaces import _high_mark, _nbytes
@@ -176,6 +185,243 @@ def test_a_symbolic_batch_gets_the_lines_of_large_batches(cin: int) -> None:
             assert at_b == highest(b, marks)
 
 
+GroupedCase = tuple[tuple[int, ...], tuple[int, ...], int, int, int, int, bool]
+"""(input shape, weight shape, stride, padding, dilation, groups, whether the forward has a bias)."""
+
+GROUPED_BY_HAND: list[GroupedCase] = [
+    ((2, 96, 14, 14), (96, 1, 7, 7), 1, 3, 1, 96, True),  # ConvNeXt's depthwise 7x7 (GEMM weight gradient)
+    ((1, 96, 28, 28), (96, 1, 7, 7), 1, 3, 1, 96, False),  # one sample: GEMM threads the 96 groups anyway
+    ((4, 13, 14, 14), (13, 1, 3, 3), 1, 1, 1, 13, True),  # channels padded to 16, the bias too
+    ((4, 32, 15, 15), (32, 1, 3, 3), 2, 1, 1, 32, True),  # MobileNet's strided depthwise 3x3
+    ((3, 16, 40), (16, 1, 5), 1, 2, 1, 16, False),  # a depthwise Conv1d
+    ((4, 32, 12, 12), (64, 8, 3, 3), 1, 1, 1, 4, True),  # ResNeXt-like groups of 8 input channels
+    ((2, 16, 10, 10), (32, 8, 1, 1), 1, 0, 1, 2, False),  # grouped 1x1
+    ((4, 16, 16, 16), (16, 16, 3, 3), 1, 2, 2, 1, True),  # dilated 3x3, padding kept
+    ((4, 3, 20), (8, 3, 3), 1, 2, 2, 1, False),  # a dilated Conv1d on 3 channels (flat forward)
+]
+
+
+def _grouped_grid(seed: int = 18) -> Iterator[GroupedCase]:
+    """Hand picks, then fixed-seed random depthwise (1-D, 2-D; any stride), blocked-group (8 or 16
+    channels a group, stride 1) and dilated (stride 1) shapes, batch 1 to 6."""
+    yield from GROUPED_BY_HAND
+    rng = random.Random(seed)
+    for i in range(75):
+        dim, k, size, batch = rng.choice((1, 2, 2)), rng.choice((1, 2, 3, 3, 5, 7)), rng.randint(5, 16), rng.randint(1, 6)
+        family = ("depthwise", "groups", "dilated")[i % 3]
+        if family == "depthwise":
+            c = rng.choice((3, 5, 8, 13, 16, 24, 40))
+            shapes, stride, pad, dil, groups = ((batch, c), (c, 1)), rng.choice((1, 1, 2)), rng.choice((0, k // 2)), 1, c
+        elif family == "groups":
+            groups, cin, cout = rng.choice((2, 3, 4)), rng.choice((8, 16)), rng.choice((8, 16))
+            shapes, stride, pad, dil = ((batch, cin * groups), (cout * groups, cin)), 1, rng.choice((0, k // 2)), 1
+        else:
+            cin, cout, dil = rng.choice((1, 3, 8, 16)), rng.choice((1, 8, 13)), rng.choice((2, 3))
+            shapes, stride, pad, groups = ((batch, cin), (cout, cin)), 1, rng.choice((0, k // 2 * dil, dil)), 1
+        size = max(size, (k - 1) * dil + 1)  # the kernel fits the input
+        yield shapes[0] + (size,) * dim, shapes[1] + (k,) * dim, stride, pad, dil, groups, rng.random() < 0.5
+
+
+def _grouped_args(case: GroupedCase) -> tuple[Any, ...]:
+    xs, ws, stride, pad, dil, groups, bias = case
+    dim = len(xs) - 2
+    b = torch.randn(ws[0]) if bias else None
+    return (torch.randn(*xs), torch.randn(*ws), b, [stride] * dim, [pad] * dim, [dil] * dim, False, [0] * dim, groups)
+
+
+def _op_misses(args: tuple[Any, ...], label: str, n: int) -> list[str]:
+    """Where the rule and the profiler differ for one convolution (``aten.convolution``'s args): its
+    forward, and its backward under two output masks picked by ``n``."""
+    misses = []
+    top, y = _high_mark(lambda: torch.ops.aten.convolution(*args))
+    if convolution_workspace(args, {}, y) != top - _nbytes(y):
+        misses.append(f"forward {label}: rule {convolution_workspace(args, {}, y)}, profiler {top - _nbytes(y)}")
+    for mask in (MASKS[n % len(MASKS)], MASKS[(n + 3) % len(MASKS)]):
+        bias = [y.shape[1]] if mask[2] else None
+        bargs = (torch.randn_like(y), args[0], args[1], bias, *args[3:], list(mask))
+        top, grads = _high_mark(lambda bargs=bargs: torch.ops.aten.convolution_backward(*bargs))
+        rule, measured = convolution_backward_workspace(bargs, {}, grads), top - _asked(grads, mask)
+        if rule != measured:
+            misses.append(f"backward {mask} {label}: rule {rule}, profiler {measured}")
+    return misses
+
+
+def _described(args: tuple[Any, ...]) -> bool:
+    return onednn_avx2_convolution(args[0], args[1], *args[3:], bias=args[2] is not None)
+
+
+def _grid_misses(threads: int, cases: Sequence[tuple[Any, ...]], make: Callable[[Any], tuple[Any, ...]]) -> tuple[int, list[str]]:
+    """(cases the rules take, each forward and backward where the rule and the profiler differ)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    misses, checked = [], 0
+    try:
+        for n, case in enumerate(cases):
+            args = make(case)
+            if _described(args):  # else not a family the rules describe (GEMM forwards, ATen's own kernels)
+                checked += 1
+                misses += _op_misses(args, str(case), n)
+    finally:
+        torch.set_num_threads(before)
+    return checked, misses
+
+
+def _grouped_misses(threads: int) -> tuple[int, list[str]]:
+    return _grid_misses(threads, list(_grouped_grid()), _grouped_args)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_and_dilated_workspaces_match_the_profiler(threads: int) -> None:
+    """Depthwise, blocked-group and dilated convolutions the rules take (Note [CPU oneDNN grouped
+    convolution buffers on AVX2]): forward (with and without a bias) and backward (two output masks
+    each) equal the profiler's high mark less the outputs, byte for byte, at 1 and 2 threads (the
+    depthwise reduction and GEMM's outer threading split by threads)."""
+    checked, misses = _grouped_misses(threads)
+    assert checked >= 55, "too few shapes reached the rules"
+    assert not misses, "\n".join(misses)
+
+
+def _conv_shape(case: GroupedCase) -> ConvShape:
+    xs, ws, stride, pad, dil, _groups, _bias = case
+    dim = len(xs) - 2
+    out = [(i + 2 * pad - dil * (k - 1) - 1) // stride + 1 for i, k in zip(xs[2:], ws[2:])]
+    return as_2d(ConvShape.of(torch.empty(xs), torch.empty(ws), [stride] * dim, [pad] * dim, [dil] * dim, out))
+
+
+def test_the_grouped_grid_reaches_both_depthwise_weight_kernels() -> None:
+    # jit_dw for kernels up to 3 wide, GEMM for ConvNeXt's 7x7
+    dw = [_conv_shape(case) for case in _grouped_grid() if case[5] > 1 and _depthwise_ok(_conv_shape(case), case[5])]
+    assert {_dw_weights_ok(c) for c in dw} == {True, False}
+
+
+NOT_DESCRIBED = [
+    # (input, weight, stride, padding, dilation, groups): oneDNN runs these with GEMM (im2col
+    # columns, not modelled) or kernels not ported; the rules decline them rather than guess
+    ((4, 16, 12, 12), (32, 1, 3, 3), 1, 1, 1, 16),  # a channel multiplier: GEMM
+    ((4, 16, 12, 12), (16, 4, 3, 3), 1, 1, 1, 4),  # 4 channels a group: GEMM
+    ((4, 16, 12, 12), (32, 8, 3, 3), 2, 1, 1, 2),  # strided groups: the input gradient's kernel varies
+    ((4, 16, 6, 6, 6), (16, 1, 3, 3, 3), 1, 1, 1, 16),  # 3-D depthwise: brdgmm_dw, then GEMM
+    ((4, 16, 12, 12), (16, 1, 7, 7), 1, 5, 1, 16),  # padding past the depthwise unroll: GEMM forward
+    ((4, 16, 12, 12), (16, 16, 3, 3), 2, 2, 2, 1),  # dilated and strided: GEMM input gradient
+    ((4, 8, 32, 32), (8, 8, 3, 3), 1, 4, 4, 1),  # dilation 4, padding 4: GEMM forward
+    ((4, 3, 15, 15), (1, 3, 5, 5), 1, 0, 3, 1),  # a reach of 13 over 3 outputs: GEMM input gradient
+]
+
+
+@pytest.mark.parametrize(("xs", "ws", "stride", "pad", "dil", "groups"), NOT_DESCRIBED)
+def test_undescribed_families_get_no_rule(xs: tuple[int, ...], ws: tuple[int, ...], stride: int, pad: int, dil: int, groups: int) -> None:
+    dim = len(xs) - 2
+    args = (torch.randn(*xs), torch.randn(*ws), [stride] * dim, [pad] * dim, [dil] * dim, False, [0] * dim, groups)
+    assert _onednn((*args[:2], None, *args[2:]))
+    assert not onednn_avx2_convolution(*args)
+
+
+def test_depthwise_figures_by_hand() -> None:
+    """Three depthwise figures in closed form, next to the profiler's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        # forward, 13 channels with a bias: x8 4*16*14*14*4 = 50176, w8 9*16*4 = 576, y8 50176, the
+        # padded bias 16*4 + 128 = 192, less the output 4*13*14*14*4 = 40768
+        args = _grouped_args(((4, 13, 14, 14), (13, 1, 3, 3), 1, 1, 1, 13, True))
+        top, y = _high_mark(lambda: torch.ops.aten.convolution(*args))
+        assert top - _nbytes(y) == convolution_workspace(args, {}, y) == 50176 + 576 + 50176 + 192 - 40768
+        # weight gradient, 5 channels (one block) at batch 4: both threads split the batch; x8 and y8
+        # 4*8*14*14*4 = 25088 each, w8 9*8*4 = 288, the second thread's sum 288 + 128, less the
+        # returned 9*5*4 = 180
+        args = _grouped_args(((4, 5, 14, 14), (5, 1, 3, 3), 1, 1, 1, 5, False))
+        bargs = (torch.randn(4, 5, 14, 14), args[0], args[1], None, *args[3:], [False, True, False])
+        top, grads = _high_mark(lambda: torch.ops.aten.convolution_backward(*bargs))
+        assert top - _nbytes(grads) == convolution_backward_workspace(bargs, {}, grads) == 2 * 25088 + 288 + 416 - 180
+        # ConvNeXt's 7x7 over 96 channels, weight and bias gradients: GEMM's reduction buffer
+        # 4 * 2 * 18816 + 128 and two threads' columns 2 * 49 * 196 * 4 + 128 (w and the biases are
+        # the outputs, at the top too)
+        args = _grouped_args(((4, 96, 14, 14), (96, 1, 7, 7), 1, 3, 1, 96, False))
+        bargs = (torch.randn(4, 96, 14, 14), args[0], args[1], [96], *args[3:], [False, True, True])
+        top, grads = _high_mark(lambda: torch.ops.aten.convolution_backward(*bargs))
+        by_hand = 4 * 2 * 18816 + 128 + 2 * 49 * 196 * 4 + 128
+        assert top - _asked(grads, (False, True, True)) == convolution_backward_workspace(bargs, {}, grads) == by_hand
+    finally:
+        torch.set_num_threads(before)
+
+
+TransposedCase = tuple[tuple[int, ...], tuple[int, ...], int, int, int, bool]
+"""(input shape, weight shape (in, out, *kernel), stride, padding, output padding, forward bias)."""
+
+TRANSPOSED_BY_HAND: list[TransposedCase] = [
+    ((4, 16, 8, 8), (16, 8, 2, 2), 2, 0, 0, True),  # UNet's 2x2 up-convolution: the bias added in place
+    ((4, 16, 8, 8), (16, 16, 4, 4), 2, 1, 0, False),  # DCGAN's 4x4, stride 2
+    ((4, 13, 10, 10), (13, 5, 3, 3), 1, 1, 0, True),  # stride 1 with a bias: a blocked output to add it to
+    ((3, 16, 20), (16, 8, 3), 1, 1, 0, True),  # a ConvTranspose1d
+    ((2, 8, 6, 6), (8, 8, 1, 1), 2, 0, 1, False),  # 1x1, stride 2, output padding
+]
+
+
+def _transposed_grid(seed: int = 18) -> Iterator[TransposedCase]:
+    """Hand picks, then fixed-seed random 1-D and 2-D transposed convolutions."""
+    yield from TRANSPOSED_BY_HAND
+    rng = random.Random(seed)
+    for _ in range(40):
+        dim, cin, cout = rng.choice((1, 2, 2)), rng.choice((1, 3, 8, 13, 16, 24)), rng.choice((1, 5, 8, 16, 32))
+        k, stride, size, batch = rng.choice((1, 2, 3, 4, 5)), rng.choice((1, 1, 2)), rng.randint(3, 12), rng.randint(1, 5)
+        pad, out_pad = rng.choice((0, k // 2)), rng.choice((0, stride - 1))
+        yield (batch, cin) + (size,) * dim, (cin, cout) + (k,) * dim, stride, pad, out_pad, rng.random() < 0.5
+
+
+def _transposed_args(case: TransposedCase) -> tuple[Any, ...]:
+    xs, ws, stride, pad, out_pad, bias = case
+    dim = len(xs) - 2
+    b = torch.randn(ws[1]) if bias else None
+    return (torch.randn(*xs), torch.randn(*ws), b, [stride] * dim, [pad] * dim, [1] * dim, True, [out_pad] * dim, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_transposed_workspaces_match_the_profiler(threads: int) -> None:
+    """Transposed convolutions the rules take (Note [CPU oneDNN transposed convolution buffers on
+    AVX2]): forward and backward equal the profiler's high mark less the outputs, byte for byte."""
+    checked, misses = _grid_misses(threads, list(_transposed_grid()), _transposed_args)
+    assert checked >= 30, "too few shapes reached the rules"
+    assert not misses, "\n".join(misses)
+
+
+TRANSPOSED_NOT_DESCRIBED = [
+    # (input, weight, stride, padding, dilation, groups, forward bias)
+    ((4, 16, 8, 8), (16, 8, 3, 3), 2, 1, 1, 1, True),  # strided, overlapping taps, a bias: its buffer is not ported
+    ((4, 16, 8, 8), (16, 4, 3, 3), 1, 1, 1, 2, False),  # grouped
+    ((4, 16, 8, 8), (16, 8, 3, 3), 1, 2, 2, 1, False),  # dilated
+    ((2, 8, 5, 5, 5), (8, 8, 3, 3, 3), 1, 1, 1, 1, False),  # 3-D
+]
+
+
+@pytest.mark.parametrize(("xs", "ws", "stride", "pad", "dil", "groups", "bias"), TRANSPOSED_NOT_DESCRIBED)
+def test_undescribed_transposed_convolutions_get_no_rule(
+    xs: tuple[int, ...], ws: tuple[int, ...], stride: int, pad: int, dil: int, groups: int, bias: bool
+) -> None:
+    dim = len(xs) - 2
+    args = (torch.randn(*xs), torch.randn(*ws), [stride] * dim, [pad] * dim, [dil] * dim, True, [0] * dim, groups)
+    assert not onednn_avx2_convolution(*args, bias=bias)
+
+
+def test_transposed_figures_by_hand() -> None:
+    """A strided transposed forward in closed form, next to the profiler's: a 2x2 up-convolution,
+    64 -> 8 channels on 4x64x8x8 at 1 thread, is ``conv``'s strided input gradient (8 -> 64
+    channels, 2x2, stride 2, 16x16 to 8x8): its input copied channels-last (4*64*64*4 = 65536),
+    weights 4 * 64 * p8(8) * 4 = 8192, the result 4*8*256*4 = 32768, brgconv_strided's bookings,
+    each with a page of alignment (a page of batch descriptors, 103 * 40 = 4120 bytes; the
+    output's 64 pixels * 64 channels, a page of floats: 16384; a page of row masks: 4096) and the
+    nested registry's 128; less the output."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = _transposed_args(((4, 64, 8, 8), (64, 8, 2, 2), 2, 0, 0, True))
+        top, y = _high_mark(lambda: torch.ops.aten.convolution(*args))
+        scratchpad = (4120 + 4096) + (16384 + 4096) + (4096 + 4096)
+        by_hand = 65536 + 8192 + 32768 + scratchpad + 128 - 32768
+        assert top - _nbytes(y) == convolution_workspace(args, {}, y) == by_hand
+    finally:
+        torch.set_num_threads(before)
+
+
 def _conv3x3() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1))
 
@@ -186,6 +432,54 @@ STEP_MODELS = {
     "conv1x1": (lambda: nn.Sequential(nn.Conv2d(16, 64, 1), nn.ReLU(), nn.Conv2d(64, 16, 1)), ["B,16,16,16"], 4),
     "conv1d": (lambda: nn.Sequential(nn.Conv1d(8, 32, 5), nn.ReLU(), nn.Conv1d(32, 8, 3)), ["B,8,100"], 4),
     "conv3d": (lambda: nn.Sequential(nn.Conv3d(2, 8, 3), nn.ReLU(), nn.Conv3d(8, 4, 3)), ["B,2,12,12,12"], 4),
+    # before the grouped rules these were 36%, 24% and 28% low
+    "depthwise7x7": (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 7, padding=3, groups=16),
+            nn.GELU(),
+            nn.Conv2d(16, 16, 3, padding=1, groups=16),
+        ),
+        ["B,3,24,24"],
+        4,
+    ),
+    "depthwise3x3": (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 13, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(13, 13, 3, padding=1, groups=13),
+            nn.ReLU(),
+            nn.Conv2d(13, 13, 3, 2, 1, groups=13),
+        ),
+        ["B,3,24,24"],
+        4,
+    ),
+    "grouped": (
+        lambda: nn.Sequential(
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1, groups=2), nn.Conv2d(32, 48, 3, padding=1, groups=2)
+        ),
+        ["B,16,16,16"],
+        4,
+    ),
+    # before the transposed rules these were 13% and 22% low
+    "dcgan": (
+        lambda: nn.Sequential(nn.ConvTranspose2d(16, 16, 4, 2, 1, bias=False), nn.ReLU(), nn.ConvTranspose2d(16, 3, 4, 2, 1, bias=False)),
+        ["B,16,8,8"],
+        4,
+    ),
+    "conv_transpose1d": (
+        lambda: nn.Sequential(
+            nn.Conv1d(8, 16, 3, padding=1), nn.ConvTranspose1d(16, 8, 3, padding=1), nn.ReLU(), nn.ConvTranspose1d(8, 4, 3, padding=1)
+        ),
+        ["B,8,40"],
+        4,
+    ),
+    "dilated": (
+        lambda: nn.Sequential(nn.Conv2d(3, 16, 3, padding=2, dilation=2), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=2, dilation=2)),
+        ["B,3,32,32"],
+        4,
+    ),
 }
 
 

@@ -22,7 +22,6 @@ from fxmem.rules.onednn_conv import (
     ConvShape,
     _bias_scratchpad,
     _cdiv,
-    _gemm_scratchpad,
     _p,
     _reducer_booking,
     _reducer_split,
@@ -46,7 +45,9 @@ __all__ = ["avx2_backward_marks", "avx2_forward_marks", "onednn_avx2_convolution
 #       simd_w`` in jit_avx2_conv_kernel_f32.cpp's fwd ``init_conf``; weights ``Acdb8a``, K * p8(cout)
 #       * cin); otherwise the input is reordered to x8 and the weights to K * p8(cout) * p8(cin). The
 #       output is made as y8 and reordered into the returned plain tensor: the high mark is
-#       max(input copy + weights + y8, y8 + output), as on AVX512.
+#       max(input copy + weights + y8, y8 + output), as on AVX512. With a bias, where cout is no
+#       multiple of 8, both kernels book it padded (``key_conv_padded_bias``: p8(cout) floats and
+#       128 bytes of alignment), alive beside the first (``_padded_bias``).
 #     * GEMM forward (``gemm:jit``, plain layouts) where the direct kernel declines (kernels wider
 #       than 7 padded and strided, a left padding wider than the unroll, a kernel that falls outside
 #       the input): its im2col columns (cin * K * a block of output pixels, per thread or shared,
@@ -74,15 +75,18 @@ __all__ = ["avx2_backward_marks", "avx2_forward_marks", "onednn_avx2_convolution
 #         128-byte alignment, with a barrier context (a page and its page of alignment)
 #         (``_1x1_avx2_scratchpad``; e.g. 16 -> 64 channels on 2 threads: 2 * 4096 + 128 + 8192).
 #       - ``jit:avx2`` (jit_avx2_conv_bwd_weights_kernel_f32) where its ``init_conf`` takes the
-#         shape: kernels narrower than 14 and no larger than the input, paddings smaller than the
+#         shape: kernels narrower than 14, no taller or deeper than the input, paddings smaller than the
 #         kernel, no 3-D depth padding, no dilation. Exactly 3 input channels are "flat" (input
 #         plain, gradient K * p8(cout) * 3); others go to x8, gradient K * p8(cin) * p8(cout); y8
 #         either way. Its weight reducer (``cpu_reducer_t``, jobs of K * ic_block * 8 over batch *
 #         output depth) books the extra threads' partial sums (onednn_conv.py's ``_reducer_split``
 #         and ``_reducer_booking``, as its AVX2 kernel there).
 #       - GEMM (``gemm:jit``) otherwise (3-D kernels with depth padding, kernels 14 and wider):
-#         plain layouts, onednn_conv.py's ``_gemm_scratchpad``; exact on the grid, but over by 40%
-#         (263,424 bytes) for one output channel, 7x7x7, padding 3, on 9x9x9 at B = 2.
+#         plain layouts, onednn_conv.py's ``_gemm_scratchpad`` with AVX2's ``simd_w`` of 8 in its
+#         outer-threading estimate (``_gemm_avx2_scratchpad``: AVX512's 16 kept one thread where
+#         oneDNN took two, e.g. 1 -> 1 channel, 7x7, padding 3, on 1x1 at B = 3: under by 980
+#         bytes); exact on the grid, but over by 40% (263,424 bytes) for one output channel, 7x7x7,
+#         padding 3, on 9x9x9 at B = 2 (seen with the 16).
 #       With a bias gradient, the padded bias and bias reducer as on AVX512 (8-channel blocks; the
 #       1x1 kernel's reducer capped at 8 jobs a thread), ideep's own bias buffer, and the returned
 #       bias. For a bias alone ATen still returns a weight gradient, freed at once: charged here.
@@ -92,8 +96,15 @@ __all__ = ["avx2_backward_marks", "avx2_forward_marks", "onednn_avx2_convolution
 #     7, strides 1 and 2, 1 to 64 channels, batch 1 to 8, every output mask, with and without a bias)
 #     at 1 and 2 threads (tests/test_onednn_conv_avx2.py), and on some 2000 more while writing it.
 #     AdamW step peaks (B = 4) that were 14% to 27% low are now exact: a 3x3 stack, 1x1 convs, Conv1d,
-#     Conv3d. Not covered (no rule, as on AVX512): transposed and grouped convolutions, other dtypes,
-#     channels-last inputs, dilation.
+#     Conv3d. Dilated convolutions at stride 1 follow the same figures where the direct forward and
+#     input-gradient kernels take them (their ``init_conf`` with the dilated kernel's reach, ``ext_kw``:
+#     ``_direct_forward_ok``, ``_direct_data_ok``; the weight gradient always takes GEMM, as the
+#     direct one declines dilation); exact on some 250 shapes (1-D to 3-D, dilation 2 and 3) at 1
+#     and 2 threads. Elsewhere they get no rule: a stride sends the input gradient to GEMM, a wide
+#     padding (DeepLab's dilation 4 with padding 4) the forward. Grouped convolutions: Note [CPU
+#     oneDNN grouped convolution buffers on AVX2]; transposed ones: Note [CPU oneDNN transposed
+#     convolution buffers on AVX2]. Not covered (no rule, as on AVX512): other dtypes, channels-last
+#     inputs.
 
 _SIMD = 8
 """AVX2's f32 vector width: the channel block of its kernels."""
@@ -108,15 +119,80 @@ def _p8(c: int) -> int:
 
 
 def onednn_avx2_convolution(
-    inp: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int
+    inp: Any,
+    weight: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    transposed: bool,
+    output_padding: Any,
+    groups: int,
+    bias: bool = False,
 ) -> bool:
-    """Whether the rules of Note [CPU oneDNN convolution buffers on AVX2] describe this convolution."""
-    if transposed or groups != 1 or inp.dim() not in (3, 4, 5) or inp.dtype != torch.float32:
+    """Whether the rules of Note [CPU oneDNN convolution buffers on AVX2] (plain convolutions), Note
+    [CPU oneDNN grouped convolution buffers on AVX2] or Note [CPU oneDNN transposed convolution
+    buffers on AVX2] describe this convolution (``bias``: a forward with one)."""
+    if inp.dim() not in (3, 4, 5) or inp.dtype != torch.float32:
         return False
     if torch.backends.cpu.get_cpu_capability() != "AVX2" or not inp.is_contiguous():
         return False
     backend = torch._C._select_conv_backend(inp, weight, None, stride, padding, dilation, transposed, output_padding, groups)
-    return str(backend).rpartition(".")[2] == "Mkldnn"
+    if str(backend).rpartition(".")[2] != ("???" if transposed else "Mkldnn"):  # MkldnnTranspose has no Python name
+        return False
+    out = _output_size(inp, weight, stride, padding, dilation, transposed, output_padding)
+    if min(out, default=1) < 1:
+        return False  # no output: ATen refuses the shape
+    conv = as_2d(ConvShape.of(inp, weight, stride, padding, dilation, out))
+    if transposed:
+        return groups == 1 and not conv.dilated and conv.dim == 2 and _transposed_ok(_as_convolution(conv), bias)
+    if groups == 1:
+        return not conv.dilated or _dilated_ok(conv, reach(conv, dilation))
+    return _depthwise_ok(conv, groups) or _blocked_groups_ok(conv, groups)
+
+
+def _output_size(inp: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: bool, output_padding: Any) -> list[int]:
+    """The output's spatial sizes (ATen's ``conv_output_size`` and ``conv_input_size``)."""
+    sizes = zip(inp.shape[2:], weight.shape[2:], stride, padding, dilation, output_padding)
+    if transposed:
+        return [(int(i) - 1) * int(s) - 2 * int(p) + int(d) * (int(k) - 1) + int(op) + 1 for i, k, s, p, d, op in sizes]
+    return [(int(i) + 2 * int(p) - int(d) * (int(k) - 1) - 1) // int(s) + 1 for i, k, s, p, d, _op in sizes]
+
+
+def reach(conv: ConvShape, dilation: Sequence[Any]) -> tuple[int, ...]:
+    """How far the kernel reaches along each axis of ``conv`` (as 2-D): (k - 1) * dilation + 1,
+    oneDNN's ``calculate_extended_filter_size``."""
+    dils = (1,) * (conv.dim - len(dilation)) + tuple(int(d) for d in dilation)
+    return tuple((k - 1) * d + 1 for k, d in zip(conv.kernel, dils))
+
+
+def _dilated_ok(conv: ConvShape, extent: tuple[int, ...]) -> bool:
+    """Where Note [CPU oneDNN convolution buffers on AVX2] holds for a dilated convolution: stride 1
+    (the direct input-gradient kernel declines dilation with a stride), and the forward and the
+    input gradient take other kernels than GEMM."""
+    if conv.strided or _forward_kernel(conv, extent) == "gemm":
+        return False
+    return _is_1x1(conv) or _direct_data_ok(conv, extent)
+
+
+def _direct_data_ok(conv: ConvShape, extent: tuple[int, ...]) -> bool:
+    """Whether ``jit:avx2`` takes the input gradient at stride 1 (jit_avx2_conv_bwd_data_kernel_f32's
+    ``init_conf``): the kernel reaches into the input on every side, and some width unroll (up to
+    15 registers over 1 to 4 input blocks) covers the kernel's left overhang and its right one."""
+    ends = _end_pads(conv, extent)
+    if any(k <= p or k <= end for k, p, end in zip(extent, conv.pad, ends)):
+        return False
+    kw, lp, rp, iw = extent[-1], conv.pad[-1], ends[-1], conv.inp[-1]
+    l_overflow, nb_ic = max(0, kw - 1 - lp), _p8(conv.cin) // _SIMD
+    best, ur_w = 0, 1
+    for b in (b for b in range(1, 5) if nb_ic % b == 0):
+        for u in range(1, min(_REGISTERS // (b + 1), iw) + 1):
+            if l_overflow > u and u != iw:
+                continue
+            if u * b > best or (u * b == best and ur_w < u):
+                best, ur_w = u * b, u
+    if not best:
+        return False
+    return max(0, kw - 1 - rp - iw % ur_w) <= ur_w
 
 
 def as_2d(conv: ConvShape) -> ConvShape:
@@ -126,9 +202,11 @@ def as_2d(conv: ConvShape) -> ConvShape:
     return replace(conv, kernel=(1, *conv.kernel), stride=(1, *conv.stride), pad=(0, *conv.pad), inp=(1, *conv.inp), out=(1, *conv.out))
 
 
-def _end_pads(conv: ConvShape) -> tuple[int, ...]:
-    """oneDNN's ``calculate_end_padding`` per spatial axis (undilated)."""
-    return tuple((o - 1) * s + k - (i + p) for i, o, k, s, p in zip(conv.inp, conv.out, conv.kernel, conv.stride, conv.pad))
+def _end_pads(conv: ConvShape, extent: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """oneDNN's ``calculate_end_padding`` per spatial axis, for a kernel reaching ``extent`` (default:
+    its size, undilated)."""
+    extent = extent or conv.kernel
+    return tuple((o - 1) * s + k - (i + p) for i, o, k, s, p in zip(conv.inp, conv.out, extent, conv.stride, conv.pad))
 
 
 def _is_1x1(conv: ConvShape) -> bool:
@@ -145,17 +223,21 @@ def _rtus(conv: ConvShape, nthr: int) -> int:
     return (nthr * _p8(conv.cin) * conv.s_out + 32) * conv.e if _is_1x1(conv) and conv.strided else 0
 
 
-def _direct_forward_ok(conv: ConvShape) -> bool:
+def _direct_forward_ok(conv: ConvShape, extent: tuple[int, ...] | None = None) -> bool:
     """Whether ``jit:avx2`` takes the forward (jit_avx2_conv_fwd_kernel_f32's ``init_conf``): the
     kernel reaches into the input on every side, the left padding fits the width unroll (3 outputs,
     or fewer where the output is narrower), kernels wider than 7 are unpadded or unstrided, and the
-    right padding fits the unroll the kernel then picks."""
-    ends = _end_pads(conv)
-    if conv.dilated or any(k <= p or k <= end for k, p, end in zip(conv.kernel, conv.pad, ends)):
+    right padding fits the unroll the kernel then picks. ``extent``: the dilated kernel's reach
+    (``ext_kw``; needed where ``conv.dilated``)."""
+    if conv.dilated and extent is None:
         return False
-    kw, sw, lp, iw, ow = conv.kernel[-1], conv.stride[-1], conv.pad[-1], conv.inp[-1], conv.out[-1]
+    extent = extent or conv.kernel
+    ends = _end_pads(conv, extent)
+    if any(k <= p or k <= end for k, p, end in zip(extent, conv.pad, ends)):
+        return False
+    kw, sw, lp, iw, ow = extent[-1], conv.stride[-1], conv.pad[-1], conv.inp[-1], conv.out[-1]
     ur_w = min(3, ow)
-    if lp > ur_w or (kw > 7 and any(conv.pad[-2:]) and conv.strided):
+    if lp > ur_w or (conv.kernel[-1] > 7 and any(conv.pad[-2:]) and conv.strided):
         return False
     tail = ow % ur_w
     r_pad = max(0, (ow - tail - 1) * sw + kw - (iw + lp))
@@ -167,27 +249,42 @@ def _direct_forward_ok(conv: ConvShape) -> bool:
     return True
 
 
-def _forward_kernel(conv: ConvShape) -> str:
-    """Which oneDNN kernel runs the forward (Note [CPU oneDNN convolution buffers on AVX2])."""
+def _forward_kernel(conv: ConvShape, extent: tuple[int, ...] | None = None) -> str:
+    """Which oneDNN kernel runs the forward (Note [CPU oneDNN convolution buffers on AVX2]);
+    ``extent`` as for ``_direct_forward_ok``."""
     if _is_1x1(conv):
         return "1x1"
-    return "direct" if _direct_forward_ok(conv) else "gemm"
+    return "direct" if _direct_forward_ok(conv, extent) else "gemm"
 
 
-def avx2_forward_marks(conv: ConvShape, nthr: int) -> Callable[[int, int], list[int]]:
-    """The forward's high marks above its output, at batch b (Note [CPU oneDNN convolution buffers on AVX2])."""
+def _padded_bias(cout: int, e: int, bias: bool) -> int:
+    """The forward's padded bias: direct kernels book p8(cout) where cout is no multiple of 8
+    (``key_conv_padded_bias``), a scratchpad booking (128 bytes of alignment beyond its size)."""
+    return _p8(cout) * e + _ALIGN if bias and cout % _SIMD else 0
+
+
+def avx2_forward_marks(
+    conv: ConvShape, nthr: int, groups: int = 1, bias: bool = False, dilation: Sequence[Any] = (), transposed: bool = False
+) -> Callable[[int, int], list[int]]:
+    """The forward's high marks above its output, at batch b (Note [CPU oneDNN convolution buffers on
+    AVX2]; grouped: Note [CPU oneDNN grouped convolution buffers on AVX2]; transposed: Note [CPU
+    oneDNN transposed convolution buffers on AVX2])."""
     conv = as_2d(conv)
-    kernel = _forward_kernel(conv)
+    if transposed:
+        return _transposed_forward_marks(_as_convolution(conv), nthr, bias)
+    if groups > 1:
+        return _depthwise_forward_marks(conv, bias) if _depthwise_ok(conv, groups) else _grouped_forward_marks(conv, groups)
+    kernel = _forward_kernel(conv, reach(conv, dilation) if dilation else None)
     if kernel == "gemm":  # plain layouts; its im2col columns are not modelled (see the Note)
         return lambda batch, _regime: [0]
     flat = conv.cin < _SIMD and kernel == "direct"
     w_copy = conv.ks * _p8(conv.cout) * (conv.cin if flat else _p8(conv.cin)) * conv.e
-    rtus = _rtus(conv, nthr)
+    fixed = w_copy + _rtus(conv, nthr) + _padded_bias(conv.cout, conv.e, bias)
 
     def marks(batch: int, _regime: int) -> list[int]:
         x_copy = 0 if flat else batch * _p8(conv.cin) * conv.s_in * conv.e
         y8, y = batch * _p8(conv.cout) * conv.s_out * conv.e, batch * conv.cout * conv.s_out * conv.e
-        return [x_copy + w_copy + y8 + rtus - y, y8]
+        return [x_copy + fixed + y8 - y, y8]
 
     return marks
 
@@ -206,12 +303,16 @@ def _data_marks(conv: ConvShape, batch: int, nthr: int) -> list[int]:
 
 def _direct_weights_ok(conv: ConvShape) -> bool:
     """Whether ``jit:avx2`` computes the weight gradient (jit_avx2_conv_bwd_weights_kernel_f32's
-    ``init_conf``): kernels narrower than 14 and no larger than the input, paddings smaller than the
+    ``init_conf``): kernels narrower than 14, no taller or deeper than the input, paddings smaller than the
     kernel, no 3-D depth padding, no dilation."""
     if conv.dilated or conv.kernel[-1] >= _MAX_KW:
         return False
     ends = tuple(max(0, e) for e in _end_pads(conv))
-    if any(k > i or p >= k or end >= k for k, i, p, end in zip(conv.kernel, conv.inp, conv.pad, ends)):
+    if any(k > i for k, i in zip(conv.kernel[:-1], conv.inp[:-1])):  # the width is not bounded (``kh <= ih``)
+        return False
+    if conv.cin == 3 and conv.s_in == 1:  # measured: a one-pixel input (plain and channels-last alike) goes to GEMM when flat
+        return False
+    if any(p >= k or end >= k for k, p, end in zip(conv.kernel, conv.pad, ends)):
         return False
     return conv.dim == 2 or (conv.pad[0] == 0 and ends[0] == 0)
 
@@ -278,7 +379,7 @@ def _weight_marks(conv: ConvShape, batch: int, regime: int, nthr: int, grad_inpu
         extra = _bias_scratchpad(cout, _SIMD, regime, nthr, e, _REDUCER_BUFFER)
     else:
         w_int = w
-        work = w + _gemm_scratchpad(conv, regime, nthr)
+        work = w + _gemm_avx2_scratchpad(conv, regime, nthr)
         extra = 0
     if not bias:
         return [grad_input + work, grad_input + w_int + w]
@@ -286,10 +387,19 @@ def _weight_marks(conv: ConvShape, batch: int, regime: int, nthr: int, grad_inpu
     return [grad_input + work + extra + b, grad_input + w_int + w + 2 * b]
 
 
-def avx2_backward_marks(conv: ConvShape, nthr: int, mask: Sequence[bool]) -> Callable[[int, int], list[int]]:
+def avx2_backward_marks(
+    conv: ConvShape, nthr: int, mask: Sequence[bool], groups: int = 1, transposed: bool = False
+) -> Callable[[int, int], list[int]]:
     """A backward's high marks above its outputs, at batch b with batch r's kernels (Note [CPU oneDNN
-    convolution buffers on AVX2])."""
+    convolution buffers on AVX2]; grouped: Note [CPU oneDNN grouped convolution buffers on AVX2];
+    transposed: Note [CPU oneDNN transposed convolution buffers on AVX2])."""
     conv = as_2d(conv)
+    if transposed:
+        return _transposed_backward_marks(_as_convolution(conv), nthr, mask)
+    if groups > 1:
+        if _depthwise_ok(conv, groups):
+            return _depthwise_backward_marks(conv, nthr, mask, groups)
+        return _grouped_backward_marks(conv, nthr, mask, groups)
 
     def marks(batch: int, regime: int) -> list[int]:
         e, ks, cin, cout = conv.e, conv.ks, conv.cin, conv.cout
@@ -301,6 +411,331 @@ def avx2_backward_marks(conv: ConvShape, nthr: int, mask: Sequence[bool]) -> Cal
             found += _data_marks(conv, batch, nthr)
         if mask[1] or bias:
             found += _weight_marks(conv, batch, regime, nthr, grad_input, bias)
+        return [m - final for m in found]
+
+    return marks
+
+
+# Note [CPU oneDNN grouped convolution buffers on AVX2]
+#     Grouped convolutions on the AVX2 machine of Note [CPU oneDNN convolution buffers on AVX2], read
+#     off ONEDNN_VERBOSE and the profiler the same way (f32, torch 2.13), in the two families oneDNN
+#     runs with blocked kernels. A Conv1d is a 2-D convolution one row high, as for plain ones.
+#     Depthwise (groups == cin == cout). ``C8`` is the channels rounded up to 8 (the depthwise
+#     kernels pad the groups: ``ok_to_pad_channels`` in jit_uni_dw_conv_kernel_utils.cpp), ``x8`` /
+#     ``y8`` the input / output with C8 channels (``aBcd8b``), ``w8`` = K * C8 floats (``Goihw8g``).
+#     * Forward: ``jit_dw:avx2`` (jit_uni_dw_conv_fwd_kernel's ``init_conf``: 2-D only, the kernel
+#       reaches into the input on every side, and the left padding and the right padding of the
+#       untailed outputs fit the width unroll, min(4, ow)). The reorders as for plain convolutions:
+#       max(x8 + w8 + y8, y8 + y), and with a bias where C is no multiple of 8 the padded bias
+#       (``key_conv_padded_bias``: C8 floats and 128 bytes of alignment) beside the first, which
+#       the plain direct kernels book too (jit_avx2_conv_fwd_kernel_f32's ``init_scratchpad``; the
+#       plain rule now charges it). Where ``jit_dw`` declines oneDNN takes GEMM: no rule.
+#     * Input gradient: ``jit_dw:avx2`` backward_data at every stride, no scratchpad:
+#       max(y8 + w8 + x8, x8 + x).
+#     * Weight gradient (the input gradient alive): ``jit_dw:avx2`` backward_weights for kernels at
+#       most 3 wide, a stride no wider than the kernel, paddings at most half the kernel, a non-unit
+#       top / bottom padding a multiple of the stride, an input at least the kernel tall (its
+#       ``init_conf``): x8, y8, the gradient w8 and, where ``balance()`` splits the batch (threads
+#       go to the C8 / 8 channel blocks first: nthr_mb = min(nthr // min(blocks, nthr), batch)), a
+#       reduction of (nthr_mb - 1) * w8 floats (and (nthr_mb - 1) * C8 for a bias), each booking 128
+#       bytes beyond its size (its ``init_scratchpad``: no barrier, no padded bias). Wider kernels
+#       (ConvNeXt's 7x7) take GEMM (``gemm:jit``, plain layouts): the gradient w and the bookings of
+#       onednn_conv.py's ``_gemm_scratchpad`` with jit_gemm_convolution_utils.cpp's group terms:
+#       im2col columns of one group (K * output plane floats a thread), the reduction buffer of
+#       nthr * (all the weights' bytes) floats, outer threading for one sample too where there are
+#       more than 2 groups (``mb != 1 || ngroups > 2``), and a memory limit over the whole input and
+#       output (``_gemm_avx2_scratchpad``; e.g. 96 channels, 7x7 on 14x14, batch 4, 2 threads:
+#       4 * 2 * 18816 + 128 + 2 * 49 * 196 * 4 + 128 = 227,616 bytes).
+#     Blocked groups (cin / groups and cout / groups multiples of 8, stride 1, 2-D): ``jit:avx2``
+#     with ``gOIhw8i8o`` weights, the plain rule's figures with no channel padding: forward
+#     max(x + w + y8, 2y) (y8 = y), input gradient max(y + w + x, 2x), weight gradient x + y + w
+#     and the direct kernel's reducer (``cpu_reducer_t`` over groups * input blocks * output blocks
+#     jobs: the plain ``_direct_avx2_scratchpad`` already counts groups * blocks, as ``conv.cout``
+#     is all the output channels), or GEMM as above for kernels 14 and wider.
+#     With a bias gradient, ideep's bias buffer and the returned bias as for plain convolutions.
+#     Checked against the profiler, byte for byte, on fixed-seed grids of 1-D and 2-D shapes
+#     (kernels 1 to 7, strides 1 and 2, 1 to 96 channels, batch 1 to 8, each output mask, a forward
+#     bias or none) at 1 and 2 threads (tests/test_onednn_conv_avx2.py), and some 900 more while
+#     writing it; AdamW step peaks 24% to 36% low (depthwise 3x3 and 7x7, groups of 16) are exact.
+#     Not covered (no rule): channel multipliers (cout a multiple of groups > cin: GEMM), groups of
+#     other sizes (GEMM, or a flat ``jit:avx2`` forward with GEMM backward), strided blocked groups
+#     (``jit:avx2``, ``brgconv_strided`` or GEMM for the input gradient, by a heuristic not ported),
+#     3-D depthwise (``brdgmm_dw`` in channels-last, then GEMM), dilated grouped convolutions.
+
+_DW_UNROLL = 4
+"""The depthwise forward kernel's width unroll on AVX2 (``jcp.ur_w``)."""
+_DW_MAX_KW = 3
+"""The widest kernel the depthwise weight-gradient kernel takes (``jcp.kw <= 3``)."""
+
+
+def _depthwise_ok(conv: ConvShape, groups: int) -> bool:
+    """Whether Note [CPU oneDNN grouped convolution buffers on AVX2] describes ``conv`` (as 2-D):
+    one channel in and out a group, undilated, 2-D, and a forward ``jit_dw`` takes."""
+    if conv.cin != 1 or conv.cout != groups or conv.dilated or conv.dim != 2:
+        return False
+    return _dw_forward_ok(conv)
+
+
+def _dw_forward_ok(conv: ConvShape) -> bool:
+    """jit_uni_dw_conv_fwd_kernel's ``init_conf`` (blocked layout): the kernel reaches into the input
+    on every side, and the left padding and the right padding of the untailed outputs fit the width
+    unroll."""
+    ends = _end_pads(conv)
+    if any(k <= p or k <= end for k, p, end in zip(conv.kernel, conv.pad, ends)):
+        return False
+    kw, sw, lp, iw, ow = conv.kernel[-1], conv.stride[-1], conv.pad[-1], conv.inp[-1], conv.out[-1]
+    ur_w = min(_DW_UNROLL, ow)
+    r_pad_no_tail = max(0, (ow - ow % ur_w - 1) * sw + kw - (iw + lp))
+    return lp <= ur_w and r_pad_no_tail <= ur_w
+
+
+def _dw_weights_ok(conv: ConvShape) -> bool:
+    """jit_uni_dw_conv_bwd_weights_kernel's ``init_conf``: kernels at most 3 wide, no gaps between
+    strides, paddings at most half the kernel, a non-unit top or bottom padding a multiple of the
+    stride, and an input that holds the kernel."""
+    (kh, kw), (sh, sw), (tp, lp), (ih, _iw) = conv.kernel, conv.stride, conv.pad, conv.inp
+    bp, rp = (max(0, e) for e in _end_pads(conv))
+    if kw > _DW_MAX_KW or sw > kw or max(tp, bp) > kh // 2 or max(lp, rp) > kw // 2:
+        return False
+    if ih < kh + (-tp) % sh:
+        return False
+    return all(p <= 1 or p % sh == 0 for p in (tp, bp))
+
+
+def _depthwise_forward_marks(conv: ConvShape, bias: bool) -> Callable[[int, int], list[int]]:
+    """The depthwise forward's high marks above its output (Note [CPU oneDNN grouped convolution
+    buffers on AVX2])."""
+    c8, e = _p8(conv.cout), conv.e
+    fixed = conv.ks * c8 * e + _padded_bias(conv.cout, e, bias)
+
+    def marks(batch: int, _regime: int) -> list[int]:
+        x8, y8, y = batch * c8 * conv.s_in * e, batch * c8 * conv.s_out * e, batch * conv.cout * conv.s_out * e
+        return [x8 + fixed + y8 - y, y8]
+
+    return marks
+
+
+def _gemm_avx2_scratchpad(conv: ConvShape, batch: int, nthr: int, groups: int = 1) -> int:
+    """onednn_conv.py's ``_gemm_scratchpad`` with AVX2's vector width (``simd_w`` 8: the per-thread
+    estimate that decides outer threading, and the smallest block of output pixels) and groups
+    (``conv.cin`` a group's input channels): jit_gemm_convolution_utils' ``init_conf`` threads the
+    batch for one sample too where there are more than 2 groups, and bounds its bookings by the
+    whole input and output."""
+    e, ks, plane = conv.e, conv.ks, math.prod(conv.out[-2:])
+    w = conv.cin * conv.cout * ks * e
+    x, y = batch * conv.cin * groups * conv.s_in * e, batch * conv.cout * conv.s_out * e
+    limit = min(1 << 30, 15 * nthr * (x + w + y))
+    per_thread = e * nthr * w + e * nthr * conv.cin * ks * _SIMD
+    n = nthr if (batch != 1 or groups > 2) and plane // nthr < 256 and per_thread < limit else 1
+    reduction = e * n * w + _ALIGN
+    columns = n * conv.cin * ks * plane * e
+    if columns > limit - reduction:
+        fits = (limit - reduction) // (e * n * conv.cin * ks)
+        columns = n * conv.cin * ks * max(_SIMD, int(fits * 0.05)) * e
+    return reduction + columns + _ALIGN
+
+
+def _dw_reduction(conv: ConvShape, batch: int, nthr: int, bias: bool) -> tuple[int, int]:
+    """(weight, bias) reduction bookings of the depthwise weight-gradient kernel where ``balance()``
+    splits the batch: threads go to the channel blocks first, the rest over the batch."""
+    c8 = _p8(conv.cout)
+    split = min(max(1, nthr // min(c8 // _SIMD, nthr)), batch)
+    if split == 1:
+        return 0, 0
+    weights = (split - 1) * conv.ks * c8 * conv.e + _ALIGN
+    return weights, (split - 1) * c8 * conv.e + _ALIGN if bias else 0
+
+
+def _dw_weight_marks(conv: ConvShape, groups: int, batch: int, regime: int, nthr: int, grad_input: int, bias: bool) -> list[int]:
+    """The depthwise weight gradient's high marks, with the input gradient (``grad_input`` bytes)
+    alive (Note [CPU oneDNN grouped convolution buffers on AVX2])."""
+    e, c8 = conv.e, _p8(conv.cout)
+    w = conv.ks * conv.cout * e
+    if _dw_weights_ok(conv):
+        w_int = conv.ks * c8 * e
+        weights, extra = _dw_reduction(conv, regime, nthr, bias)
+        work = batch * c8 * (conv.s_in + conv.s_out) * e + w_int + weights
+    else:
+        w_int, extra = w, 0
+        work = w + _gemm_avx2_scratchpad(conv, regime, nthr, groups)
+    if not bias:
+        return [grad_input + work, grad_input + w_int + w]
+    b = conv.cout * e
+    return [grad_input + work + extra + b, grad_input + w_int + w + 2 * b]
+
+
+def _depthwise_backward_marks(conv: ConvShape, nthr: int, mask: Sequence[bool], groups: int) -> Callable[[int, int], list[int]]:
+    """The depthwise backward's high marks above its outputs (Note [CPU oneDNN grouped
+    convolution buffers on AVX2])."""
+
+    def marks(batch: int, regime: int) -> list[int]:
+        e, ks, c, c8 = conv.e, conv.ks, conv.cout, _p8(conv.cout)
+        grad_input = batch * c * conv.s_in * e if mask[0] else 0
+        bias = len(mask) > 2 and bool(mask[2])
+        final = grad_input + (ks * c * e if mask[1] else 0) + (c * e if bias else 0)
+        found: list[int] = [final]
+        if mask[0]:
+            x8, y8 = batch * c8 * conv.s_in * e, batch * c8 * conv.s_out * e
+            found += [y8 + ks * c8 * e + x8, x8 + grad_input]
+        if mask[1] or bias:
+            found += _dw_weight_marks(conv, groups, batch, regime, nthr, grad_input, bias)
+        return [m - final for m in found]
+
+    return marks
+
+
+def _blocked_groups_ok(conv: ConvShape, groups: int) -> bool:
+    """Whether ``jit:avx2`` runs a grouped convolution whose groups hold whole 8-channel blocks, at
+    stride 1, undilated, 2-D, where the forward takes the direct kernel."""
+    if groups == 1 or conv.cin % _SIMD or (conv.cout // groups) % _SIMD or conv.dilated or conv.dim != 2:
+        return False
+    return not conv.strided and _direct_forward_ok(conv)
+
+
+def _grouped_forward_marks(conv: ConvShape, groups: int) -> Callable[[int, int], list[int]]:
+    """The blocked grouped forward's high marks above its output: the plain rule's, with no channel
+    padding (Note [CPU oneDNN grouped convolution buffers on AVX2])."""
+    w = conv.ks * conv.cin * conv.cout * conv.e
+
+    def marks(batch: int, _regime: int) -> list[int]:
+        x, y = batch * conv.cin * groups * conv.s_in * conv.e, batch * conv.cout * conv.s_out * conv.e
+        return [x + w, y]
+
+    return marks
+
+
+def _grouped_backward_marks(conv: ConvShape, nthr: int, mask: Sequence[bool], groups: int) -> Callable[[int, int], list[int]]:
+    """The blocked grouped backward's high marks above its outputs: the plain rule's at stride 1,
+    with no channel padding (Note [CPU oneDNN grouped convolution buffers on AVX2])."""
+
+    def marks(batch: int, regime: int) -> list[int]:
+        e, w = conv.e, conv.ks * conv.cin * conv.cout * conv.e
+        x, y = batch * conv.cin * groups * conv.s_in * e, batch * conv.cout * conv.s_out * e
+        grad_input = x if mask[0] else 0
+        bias = len(mask) > 2 and bool(mask[2])
+        final = grad_input + (w if mask[1] else 0) + (conv.cout * e if bias else 0)
+        found: list[int] = [final]
+        if mask[0]:
+            found += [y + w + x, 2 * x]
+        if mask[1] or bias:
+            if _direct_weights_ok(conv):
+                work = x + y + w + _direct_avx2_scratchpad(conv, regime, nthr)
+                extra = _bias_scratchpad(conv.cout, _SIMD, regime, nthr, e, _REDUCER_BUFFER)
+            else:
+                work, extra = w + _gemm_avx2_scratchpad(conv, regime, nthr, groups), 0
+            b = conv.cout * e if bias else 0
+            found += [grad_input + work + extra + b, grad_input + 2 * w + 2 * b]
+        return [m - final for m in found]
+
+    return marks
+
+
+# Note [CPU oneDNN transposed convolution buffers on AVX2]
+#     ATen runs a transposed convolution (MkldnnTranspose) as ideep's deconvolution, which oneDNN
+#     builds on a nested convolution with input and output swapped (``conv:any+jit:avx2``, or
+#     ``brg_deconv:avx2+brgconv_strided:avx2`` for a stride; ONEDNN_VERBOSE on the AVX2 machine of
+#     Note [CPU oneDNN convolution buffers on AVX2], f32, torch 2.13): call ``conv`` the convolution
+#     from the transposed output to its input (cin = the transposed output channels, cout = its
+#     input channels, ``_as_convolution``). Then, byte for byte against the profiler:
+#     * Forward = ``conv``'s input gradient, with the plain rule's figures (``_data_marks``: the
+#       direct kernel's 8-channel reorders at stride 1, ``brgconv_strided`` in channels-last with a
+#       stride). A deconvolution books its nested convolution's scratchpad inside its own, which
+#       costs the nested registry's 128 bytes of alignment more where there is one (every strided
+#       forward). A bias at stride 1 takes a blocked output to add it to (x8 in ``conv``'s terms,
+#       and 128 bytes); with a stride the bias is added in place where each output pixel comes from
+#       one tap (kernel == stride, no padding: UNet's 2x2 up-convolutions), and otherwise takes a
+#       buffer whose size did not follow one rule (no rule there).
+#     * Input gradient = ``conv``'s forward (``avx2_forward_marks``), plus the nested 128 where it
+#       books a scratchpad (the 1x1 kernel's gathered strided input).
+#     * Weight gradient = ``conv``'s weight gradient (its input is the transposed output's gradient,
+#       its output gradient the transposed input), plus the nested 128 where its kernel books a
+#       scratchpad (a reducer that splits, the 1x1 kernel's, GEMM's). The bias gradient is summed
+#       apart: ideep's bias buffer and the returned bias, no bias scratchpad.
+#     Where the kernels of those figures are ported: 1-D and 2-D, groups 1, undilated; at stride 1
+#     the direct input-gradient kernel must take ``conv`` (``_direct_data_ok``), with a stride
+#     ``brgconv_strided``'s channel block must be p8's (at most 16 output channels, or 32: 24 went
+#     to 32 once), and ``conv``'s forward must not be GEMM. The same check found the direct weight
+#     kernel takes kernels wider than the input (``kh <= ih`` bounds only the height), which the
+#     plain rule now follows. Checked on some 500 random shapes (kernels 1 to 5, strides 1 and 2,
+#     output padding, 1 to 64 channels, batch 1 to 5, each output mask, a forward bias or none) at
+#     1 and 2 threads; AdamW step peaks of a DCGAN-like and a Conv1d decoder, 13% and 22% low
+#     before, are exact (tests/test_onednn_conv_avx2.py). Not covered: grouped, dilated and 3-D
+#     transposed convolutions, strided ones with a bias and overlapping or gapped taps.
+
+_NESTED = _ALIGN
+"""What a deconvolution adds to its nested convolution's scratchpad where that has one (the nested
+registry's booking alignment)."""
+
+
+def _as_convolution(conv: ConvShape) -> ConvShape:
+    """The convolution whose input gradient a transposed convolution is: ``ConvShape.of`` read the
+    transposed weight's (in, out) as (cout, cin); here the input and output trade places too."""
+    return replace(conv, inp=conv.out, out=conv.inp)
+
+
+def _transposed_ok(conv: ConvShape, bias: bool) -> bool:
+    """Whether Note [CPU oneDNN transposed convolution buffers on AVX2] describes the transposed
+    convolution whose equivalent convolution is ``conv`` (``bias``: a forward with one)."""
+    if bias and conv.strided and not _tiled(conv):
+        return False  # its bias buffer is not ported
+    # strided: brgconv_strided pads the channels to a block its heuristic picks (8 to 32, not ported),
+    # which p8 matched up to 16 channels and at 32 (24 went to 32); stride 1: the direct kernel
+    data = conv.cin in (*range(1, 17), 32) if conv.strided else _direct_data_ok(conv, conv.kernel)
+    return data and _forward_kernel(conv) != "gemm"
+
+
+def _weight_scratchpad(conv: ConvShape, batch: int, nthr: int) -> int:
+    """The plain weight-gradient kernel's scratchpad, no bias (Note [CPU oneDNN convolution buffers on AVX2])."""
+    kernel = _weight_kernel(conv)
+    if kernel == "1x1":
+        return _1x1_avx2_scratchpad(conv, batch, nthr) + _rtus(conv, nthr)
+    if kernel == "direct":
+        return _direct_avx2_scratchpad(conv, batch, nthr)
+    return _gemm_avx2_scratchpad(conv, batch, nthr)
+
+
+def _tiled(conv: ConvShape) -> bool:
+    """Whether a strided transposed convolution writes each output pixel from exactly one input
+    pixel and tap: kernel as wide as the stride on every axis, no padding, no output padding."""
+    return all(k == st and p == 0 and i == o * st for k, st, p, i, o in zip(conv.kernel, conv.stride, conv.pad, conv.inp, conv.out))
+
+
+def _transposed_forward_marks(conv: ConvShape, nthr: int, bias: bool) -> Callable[[int, int], list[int]]:
+    """The transposed forward: ``conv``'s input gradient, its scratchpad nested; at stride 1 a bias
+    takes a blocked copy of the output to add it to."""
+
+    def marks(batch: int, _regime: int) -> list[int]:
+        found = _data_marks(conv, batch, nthr)
+        x, x8 = (batch * c * conv.s_in * conv.e for c in (conv.cin, _p8(conv.cin)))  # the transposed output
+        if not bias:
+            extra = _NESTED if conv.strided else 0
+        elif conv.strided:  # tiled (``_transposed_ok``): the bias is added in place
+            extra = _NESTED
+        else:
+            extra = x8 + _ALIGN
+        return [found[0] + extra - x, *(m - x for m in found[1:])]
+
+    return marks
+
+
+def _transposed_backward_marks(conv: ConvShape, nthr: int, mask: Sequence[bool]) -> Callable[[int, int], list[int]]:
+    """The transposed backward: ``conv``'s forward for the input gradient, its weight gradient for
+    the weights (with the roles of input and output swapped), the bias summed apart."""
+
+    def marks(batch: int, regime: int) -> list[int]:
+        e, w = conv.e, conv.ks * conv.cin * conv.cout * conv.e
+        grad_input = batch * conv.cout * conv.s_out * e if mask[0] else 0
+        bias = len(mask) > 2 and bool(mask[2])
+        b = conv.cin * e if bias else 0
+        final = grad_input + (w if mask[1] else 0) + b
+        found: list[int] = [final]
+        if mask[0]:
+            nested = _NESTED if _rtus(conv, nthr) else 0
+            found += [m + grad_input + (nested if i == 0 else 0) for i, m in enumerate(avx2_forward_marks(conv, nthr)(batch, regime))]
+        if mask[1] or bias:
+            work, rest = _weight_marks(conv, batch, regime, nthr, grad_input, False)
+            nested = _NESTED if _weight_scratchpad(conv, regime, nthr) else 0
+            found += [work + nested + b, rest + 2 * b]
         return [m - final for m in found]
 
     return marks

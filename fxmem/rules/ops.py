@@ -305,14 +305,18 @@ def _slow_backend(
     return name if name in _SLOW_CONV else ""
 
 
-def _onednn_marks(inp: Any, weight: Any, *conv_args: Any) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+def _onednn_marks(inp: Any, weight: Any, *conv_args: Any, bias: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The forward's and the backward's high marks as this CPU's oneDNN rules give them (AVX512's or
     AVX2's), or None where no rule describes the convolution (``conv_args``: stride, padding, dilation,
-    transposed, output_padding, groups)."""
+    transposed, output_padding, groups; ``bias``: whether the forward has one)."""
     if onednn_convolution(inp, weight, *conv_args):
         return forward_marks, backward_marks
-    if onednn_avx2_convolution(inp, weight, *conv_args):
-        return avx2_forward_marks, avx2_backward_marks
+    stride, padding, dilation, transposed, output_padding, groups = conv_args
+    if onednn_avx2_convolution(inp, weight, stride, padding, dilation, transposed, output_padding, groups, bias=bias):
+        return (
+            functools.partial(avx2_forward_marks, groups=groups, bias=bias, dilation=dilation, transposed=transposed),
+            functools.partial(avx2_backward_marks, groups=groups, transposed=transposed),
+        )
     return None
 
 
@@ -321,8 +325,8 @@ def convolution_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: A
     """Slow: the columns buffer (Note [CPU slow convolution columns]); oneDNN: its reorders
     (Note [CPU oneDNN convolution buffers] in onednn_conv.py, and on AVX2 Note [CPU oneDNN
     convolution buffers on AVX2] in onednn_conv_avx2.py)."""
-    inp, weight, _bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
-    onednn = _onednn_marks(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
+    inp, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args[:9]
+    onednn = _onednn_marks(inp, weight, stride, padding, dilation, transposed, output_padding, groups, bias=bias is not None)
     if onednn is not None:
         conv = ConvShape.of(inp, weight, stride, padding, dilation, out.shape[2:])
         return highest(inp.shape[0], onednn[0](conv, torch.get_num_threads()))
