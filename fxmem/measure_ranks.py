@@ -101,7 +101,14 @@ def measure_ranks(
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fxmem-ranks-") as where:
         folder = Path(where)
-        torch.save(config, folder / "step.pt")
+        try:
+            torch.save(config, folder / "step.pt")
+        except Exception as e:  # the ranks are other processes: the model reaches them pickled
+            raise InputSpecError(
+                f"model '{type(model).__name__}' cannot be handed to the {fsdp} rank processes ({type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[0][:200]}); define its class (and any function it holds) at "
+                "module level of an importable file, so that pickle can find it."
+            ) from e
         _launch(folder, fsdp, timeout, type(model).__name__)
         return tuple(_read(folder / f"rank{r}.json") for r in range(fsdp))
 

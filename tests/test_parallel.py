@@ -169,3 +169,36 @@ def test_fsdp_mixed_precision_policy() -> None:
     assert abs(predicted - lowest) <= 0.01 * lowest, (predicted, [m.peak for m in ranks])
     unit = sum(p.numel() * 2 for p in model.blocks[0].parameters())  # one block's weights gathered in bf16
     assert highest <= predicted + unit + 0.01 * lowest, (predicted, [m.peak for m in ranks])
+
+
+def test_ranks_need_a_model_they_can_be_handed() -> None:
+    class Local(torch.nn.Module):  # a class defined in a function: pickle cannot find it by name
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    with pytest.raises(InputSpecError, match=r"cannot be handed to the 2 rank processes"):
+        measure_ranks(Local(), ["B,4"], 2, fsdp=2)
+
+
+def test_hooks_that_fail_name_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module's hook that raises inside the simulated step: one error naming the module and the node."""
+    import fxmem.parallel.fsdp as fsdp
+
+    model, inputs = _gpt()
+    original = fsdp.shard_graph
+
+    def refuse(module: torch.nn.Module, args: tuple[object, ...]) -> None:
+        raise RuntimeError("this unit cannot run")
+
+    def shard_and_refuse(*args: object, **kwargs: object) -> torch.fx.GraphModule:
+        sharded = original(*args, **kwargs)  # type: ignore[arg-type]
+        sharded.get_submodule("blocks.1").register_forward_pre_hook(refuse)
+        return sharded
+
+    monkeypatch.setattr(fsdp, "shard_graph", shard_and_refuse)
+    with pytest.raises(fxmem.CaptureError, match=r"forward pre-hooks of module 'blocks\.1' .* node 'blocks_1_ln1'"):
+        fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2)

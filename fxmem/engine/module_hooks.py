@@ -19,14 +19,14 @@ Note [Module hooks on a flattened graph]
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch.fx as fx
 from torch import nn
 
-from fxmem.errors import CaptureError
+from fxmem.errors import CaptureError, FxmemError
 
 __all__ = ["ModuleHooks", "ModuleScopes", "Scope", "call_forward_hooks", "call_pre_hooks"]
 
@@ -160,7 +160,7 @@ class ModuleHooks(fx.Interpreter):
         """Call a module's pre-hooks with its arguments and go on with what they return."""
         self.hooks_run(scope, scope.first)
         args = tuple(self.env[i] for i in scope.inputs)
-        new_args, kwargs = call_pre_hooks(scope.module, args, {})
+        new_args, kwargs = self._hooks(scope, scope.first, "forward pre-hooks", lambda: call_pre_hooks(scope.module, args, {}))
         for i, value in zip(scope.inputs, new_args):
             self.env[i] = value
         self._calls()[scope.path] = (tuple(new_args), kwargs)
@@ -172,7 +172,7 @@ class ModuleHooks(fx.Interpreter):
         values = tuple(out if o is n else self.env[o] for o in scope.outputs)
         args, kwargs = self._calls().pop(scope.path)
         given = values[0] if len(values) == 1 else values
-        result = call_forward_hooks(scope.module, args, kwargs, given)
+        result = self._hooks(scope, n, "forward hooks", lambda: call_forward_hooks(scope.module, args, kwargs, given))
         returned = (result,) if len(values) == 1 else tuple(result)
         for o, value in zip(scope.outputs, returned):
             if o is n:
@@ -180,6 +180,21 @@ class ModuleHooks(fx.Interpreter):
             else:
                 self.env[o] = value
         return out
+
+    def _hooks(self, scope: Scope, n: fx.Node, which: str, call: Callable[[], Any]) -> Any:
+        """Run a module's hooks; their failure (the engine refusing what the model does) as one error."""
+        try:
+            return call()
+        except FxmemError:
+            raise
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            where = f"module '{scope.path}'" if scope.path else "the root module"
+            raise CaptureError(
+                f"model '{getattr(self, 'model_label', 'model')}': the {which} of {where} ({type(scope.module).__name__}), called at "
+                f"node '{n.name}', failed: {type(e).__name__}: {first}. A real run calls them at the same point; check the "
+                "units given to the sharding engine (fsdp_units)."
+            ) from e
 
     def _calls(self) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
         """The arguments each hooked module's pre-hooks returned, kept until its hooks run (eager's
