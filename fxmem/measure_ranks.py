@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fxmem.engine.binding import storage_of
 from fxmem.engine.losses import get_loss
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
@@ -221,16 +222,11 @@ def _reshard(model: nn.Module) -> None:
             reshard()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
 def _storages(tensors: list[Any]) -> dict[StorageWeakRef, int]:
     """Each distinct storage the tensors (a DTensor: its local shard) hold, with its bytes."""
     found: dict[StorageWeakRef, int] = {}
     for t in tensors:
-        storage = _local(t).untyped_storage()
+        storage = storage_of(t)
         found.setdefault(StorageWeakRef(storage), storage.nbytes())
     return found
 
@@ -241,7 +237,7 @@ def _saved_bytes(model: nn.Module, args: list[Any], kwargs: dict[str, Any], loss
     saved: dict[StorageWeakRef, torch.UntypedStorage] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = _local(t).untyped_storage()
+        storage = storage_of(t)
         saved.setdefault(StorageWeakRef(storage), storage)
         return t
 
@@ -255,7 +251,9 @@ def _saved_bytes(model: nn.Module, args: list[Any], kwargs: dict[str, Any], loss
 
 
 def _gathered(model: nn.Module) -> list[torch.Tensor]:
-    """The full-size parameters FSDP2 gathers into, for every unit of ``model``."""
+    """The full-size parameters FSDP2 gathers into, for every unit of ``model``, whether or not they
+    are registered on the module now (``gathered_parameters`` in fxmem/parallel names them by the
+    registered shards, which a unit still gathered after forward has swapped out)."""
     found = []
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)

@@ -16,7 +16,7 @@ from fxmem.errors import InputSpecError
 from fxmem.inputs import Constant, InputSpec
 from fxmem.results import Kind
 
-__all__ = ["bind_inputs", "fake_like", "state_kinds", "storage_of", "swapped_state"]
+__all__ = ["bind_inputs", "fake_like", "local_tensor", "state_kinds", "storage_of", "swapped_state"]
 
 
 def bind_inputs(gm: fx.GraphModule, specs: Sequence[InputSpec], tensors: Sequence[torch.Tensor], model: str) -> list[Any]:
@@ -98,7 +98,12 @@ def state_kinds(gm: fx.GraphModule) -> dict[StorageWeakRef, Kind]:
     return kinds
 
 
-def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
-    """The storage holding ``t`` in this process: a DTensor's (a sharded parameter's) is its local shard's."""
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s storage in this process: a DTensor's (a sharded parameter's) local shard, else ``t``."""
     local = getattr(t, "_local_tensor", None)
-    return (local if isinstance(local, torch.Tensor) else t).untyped_storage()
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding ``t`` in this process (a DTensor's is its local shard's)."""
+    return local_tensor(t).untyped_storage()

@@ -73,7 +73,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fxmem.engine.binding import bind_inputs, swapped_state
+from fxmem.engine.binding import bind_inputs, local_tensor, storage_of, swapped_state
 from fxmem.engine.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
 from fxmem.engine.dispatch import LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.flops import OpCost, is_view_like, op_cost
@@ -203,11 +203,11 @@ class _Tracker(TorchDispatchMode):
 
     def adopt(self, t: torch.Tensor, category: Category) -> None:
         """Register a storage that exists before the step and outlives it (weights, inputs)."""
-        storage = _local(t).untyped_storage()
+        storage = storage_of(t)
         self.permanent.setdefault(StorageWeakRef(storage), (category, storage.nbytes()))
 
     def number(self, t: torch.Tensor) -> int | None:
-        entry = self.live.get(StorageWeakRef(_local(t).untyped_storage()))
+        entry = self.live.get(StorageWeakRef(storage_of(t)))
         return entry.number if entry is not None else None
 
     def resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -431,7 +431,7 @@ class _Tracker(TorchDispatchMode):
         if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
             for a in tree_leaves(args):
                 if isinstance(a, torch.Tensor):
-                    name = self.names.get(StorageWeakRef(_local(a).untyped_storage()))
+                    name = self.names.get(StorageWeakRef(storage_of(a)))
                     if name is not None:
                         return name, _module_of(name)
         return self.node, self.fqn
@@ -459,15 +459,9 @@ _ENGINE_RANGES = ("FSDP::",)
 """The ``record_function`` names whose allocations are the sharding engine's."""
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor holding a DTensor's storage on this rank (the tensor itself otherwise)."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
 def _locals(value: Any) -> Any:
     """``value`` with every DTensor in it replaced by its local shard."""
-    return tree_map(lambda v: _local(v) if isinstance(v, torch.Tensor) else v, value)
+    return tree_map(lambda v: local_tensor(v) if isinstance(v, torch.Tensor) else v, value)
 
 
 @contextlib.contextmanager
@@ -691,7 +685,7 @@ def simulate_step(
         params = dict(gm.named_parameters())
         for name, p in params.items():
             tracker.adopt(p, Category.PARAMETER)
-            tracker.names[StorageWeakRef(_local(p).untyped_storage())] = name
+            tracker.names[StorageWeakRef(storage_of(p))] = name
         for name, b in gm.named_buffers():
             if not _traced_constant(name):  # made by the forward, each step: Note [Tensors made while tracing]
                 tracker.adopt(b, Category.BUFFER)
@@ -765,7 +759,7 @@ def _run_step(
     for name, p in params.items():
         if p.grad is not None:
             _mark(tracker, categories, p.grad, Category.GRADIENT)
-            tracker.names[StorageWeakRef(_local(p.grad).untyped_storage())] = name
+            tracker.names[StorageWeakRef(storage_of(p.grad))] = name
     if opt is not None:
         _guarded(fake, model, "optimizer.step()", opt.step)
         tracker.poll()
