@@ -19,7 +19,7 @@ from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.tracing import trace_model
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
-from fxmem.parallel import FsdpPlan, one_rank
+from fxmem.parallel import ParallelPlan, one_rank, tp_layers
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
@@ -62,6 +62,8 @@ def analyze(
     torch_version: str | None = None,
     fsdp: int = 1,
     fsdp_units: Iterable[str] | None = None,
+    tp: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -92,11 +94,15 @@ def analyze(
     ``fsdp`` (N > 1, the same as ``world_size=N, shard="fsdp"``) simulates one rank of FSDP2 over N
     ranks by running ``fully_shard`` itself on a fake process group (fxmem/parallel): ``fsdp_units``
     (module paths; default each repeated block) are wrapped, then the root, and ``batch`` is the
-    rank's micro-batch.
+    rank's micro-batch. ``tp`` (T > 1) adds tensor parallel over T ranks by running
+    ``parallelize_module`` itself: ``tp_plan`` maps module paths (``*`` one component) to style names
+    ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"; default the model's own
+    ``_tp_plan``, as HF models and the zoo's transformers carry). With both, the step is one rank's of
+    a 2-D mesh of ``fsdp x tp`` ranks (Note [Tensor parallel plans] in fxmem/parallel/tensor.py).
     """
     name = name or type(model).__name__
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
-    setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version)
+    setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
     specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
     bn_threshold = _check_threshold(bn_threshold)
@@ -108,7 +114,7 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    plan = _fsdp_plan(model, setup, fsdp_units, peak, name)
+    plan = _parallel_plan(model, setup, fsdp_units, tp_plan, peak, name)
     shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan)
     say("counting model state")
@@ -119,7 +125,7 @@ def analyze(
     if peak:
         steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch, setup, impl, device, shallow, plan)
         if plan is not None:
-            per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size)
+            per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size, setup.engine_name)
     if device_memory is None and setup.cuda:
         device_memory = setup.device.memory_bytes
     return Report(
@@ -177,7 +183,7 @@ def _simulate_steps(
     impl: str,
     device: DeviceModel | None,
     shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
-    plan: FsdpPlan | None = None,
+    plan: ParallelPlan | None = None,
 ) -> StepPeaks:
     """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
     the report's own batch now (so that a failing step fails analyze), concrete ones on demand.
@@ -206,7 +212,7 @@ def _simulate_steps(
 
     fast, path = _fast_path(gm, shallow, simulate)
     if plan is not None:
-        path += f"; one rank of FSDP2 over {plan.world_size} (fully_shard on {len(plan.units)} units and the root)"
+        path += f"; one rank of {plan.describe()}"
 
     def run(b: int | None) -> Timeline:
         nonlocal fast
@@ -279,7 +285,7 @@ def _account(
     strict: bool,
     setup: TrainingSetup,
     shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
-    plan: FsdpPlan | None = None,
+    plan: ParallelPlan | None = None,
 ) -> Accounting:
     """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B.
 
@@ -377,7 +383,7 @@ def _pass(
     name: str,
     strict: bool,
     setup: TrainingSetup,
-    plan: FsdpPlan | None = None,
+    plan: ParallelPlan | None = None,
 ) -> Callable[[int | None, int | None], Capture]:
     """One fake pass at (batch, seq); None makes that axis symbolic. With ``plan``, on one rank of FSDP2:
     its gathered weights are state, and a MixedPrecisionPolicy decides the dtype of what is saved."""
@@ -442,14 +448,28 @@ def _fsdp_setup(fsdp: object, world_size: int, shard: str) -> tuple[int, str]:
     return fsdp, "fsdp"
 
 
-def _fsdp_plan(model: nn.Module, setup: TrainingSetup, units: Iterable[str] | None, peak: bool, name: str) -> FsdpPlan | None:
-    """The FSDP2 plan of a ``--fsdp`` run (None otherwise): its units, checked against the model."""
+def _parallel_plan(
+    model: nn.Module, setup: TrainingSetup, units: Iterable[str] | None, tp_plan: Mapping[str, str] | None, peak: bool, name: str
+) -> ParallelPlan | None:
+    """The plan of a ``--fsdp`` / ``--tp`` run (None otherwise): FSDP2's units and tensor parallel's
+    layers, checked against the model."""
+    if units is not None and not setup.fsdp:
+        raise InputSpecError("fsdp_units names FSDP2's units, which only --fsdp N (N > 1) uses; pass fsdp=N too.")
+    if tp_plan is not None and setup.tp == 1:
+        raise InputSpecError("tp_plan names tensor parallel's layers, which only --tp T (T > 1) uses; pass tp=T too.")
     if not setup.engine:
-        if units is not None:
-            raise InputSpecError("fsdp_units names FSDP2's units, which only --fsdp N (N > 1) uses; pass fsdp=N too.")
         return None
     if not peak:
-        raise InputSpecError(f"model '{name}': --fsdp simulates one rank's training step, which --no-peak (peak=False) skips; drop one.")
+        raise InputSpecError(
+            f"model '{name}': --fsdp and --tp simulate one rank's training step, which --no-peak (peak=False) skips; drop one."
+        )
+    chosen = _fsdp_units(model, units, name) if setup.fsdp else ()
+    layers = tp_layers(model, setup.tp, tp_plan, name) if setup.tp > 1 else ()
+    return ParallelPlan(setup.world_size if setup.fsdp else 1, chosen, mixed=setup.fsdp_mixed, tp=setup.tp, tp_layers=layers)
+
+
+def _fsdp_units(model: nn.Module, units: Iterable[str] | None, name: str) -> tuple[str, ...]:
+    """FSDP2's units: ``units``, else each repeated block; checked against the model."""
     chosen = tuple(units) if units is not None else fsdp_units(model)
     modules = dict(model.named_modules())
     missing = [u for u in chosen if not isinstance(u, str) or u not in modules or not u]
@@ -458,7 +478,7 @@ def _fsdp_plan(model: nn.Module, setup: TrainingSetup, units: Iterable[str] | No
             f"model '{name}': FSDP unit {missing[0]!r} is not a submodule path of the model; name modules such as "
             f"{', '.join(repr(u) for u in fsdp_units(model)[:3]) or repr(next(iter(modules), ''))}."
         )
-    return FsdpPlan(setup.world_size, chosen, mixed=setup.fsdp_mixed)
+    return chosen
 
 
 def _silent(_message: str) -> None:

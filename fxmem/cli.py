@@ -125,6 +125,8 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
     g.add_argument("--fsdp", type=_positive_int, default=1, metavar="N", help="simulate one rank of FSDP2 over N ranks: fully_shard itself runs on a fake process group (each repeated block a unit, then the root); --batch is the rank's micro-batch. The same as --world-size N --shard fsdp")
     g.add_argument("--fsdp-unit", action="append", metavar="PATH", help="with --fsdp: a module fully_shard wraps as a unit (repeat for several; default each repeated block)")
+    g.add_argument("--tp", type=_positive_int, default=1, metavar="T", help="simulate one rank of tensor parallel over T ranks: parallelize_module itself runs on a fake process group, with the model's own plan (a HF model's _tp_plan) or --tp-plan; with --fsdp N, one rank of an N x T mesh")
+    g.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: shard the Linear at PATH (* one path component, e.g. layers.*.mlp.up_proj) colwise or rowwise (also colwise_gather_output, embedding_rowwise); repeat for each; default the model's own plan")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
     g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
@@ -141,8 +143,21 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
-        "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit,
+        "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan),
     }  # fmt: skip
+
+
+def _tp_plan(items: list[str] | None) -> dict[str, str] | None:
+    """--tp-plan PATH=STYLE options as a plan (None: the model's own)."""
+    if not items:
+        return None
+    plan = {}
+    for item in items:
+        path, eq, style = item.partition("=")
+        if not eq or not path or not style:
+            raise InputSpecError(f"--tp-plan '{item}': write PATH=STYLE, e.g. --tp-plan 'layers.*.mlp.up_proj=colwise'.")
+        plan[path] = style
+    return plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -378,6 +393,7 @@ def _check_measurable(args: argparse.Namespace) -> None:
     fsdp_mixed = args.fsdp != 1 and args.peak and args.precision == "mixed"  # FSDP2's MixedPrecisionPolicy: the real ranks run it
     flags = {"--world-size": args.world_size != 1, "--shard": args.shard != "none", "--precision": bool(args.precision) and not fsdp_mixed}
     flags["--fsdp"] = args.fsdp != 1 and not args.peak  # one real rank per process: a whole step only
+    flags["--tp"] = args.tp != 1 and not args.peak
     flags["--torch-version"] = args.torch_version is not None  # the real run is the installed torch's
     if not args.peak:
         flags |= {"--amp": args.amp is not None, "--optimizer-impl": args.optimizer_impl is not None, "--overhead": bool(args.overhead)}
@@ -397,7 +413,7 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     device = args.target  # a GPU measures what the GPU keeps
     if device == "cuda" and not torch.cuda.is_available():
         raise InputSpecError("measure --peak --target cuda runs the step on a GPU, and this machine has no CUDA device; use --target cpu here.")
-    if args.fsdp > 1:
+    if args.fsdp > 1 or args.tp > 1:
         return _measure_ranks(args, spec, report, predicted, say)
     say(f"running one training step for real on the {device.upper()} at B={args.batch}")
     measured = measure_peak(
@@ -408,13 +424,15 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
 
 
 def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, predicted: Peak, say: Callable[[str], None]) -> str:
-    """``measure --peak --fsdp N``: the real step on N CPU processes, each rank beside the simulated one."""
+    """``measure --peak --fsdp N --tp T``: the real step on N x T CPU processes, each rank beside the simulated one."""
     if args.target != "cpu" or args.amp is not None or args.optimizer_impl is not None:
-        raise InputSpecError("measure --peak --fsdp runs the ranks on this machine's CPU with gloo: give --target cpu, without --amp or --optimizer-impl.")
+        raise InputSpecError(
+            "measure --peak --fsdp/--tp runs the ranks on this machine's CPU with gloo: give --target cpu, without --amp or --optimizer-impl."
+        )
     units = report.fsdp_units
-    say(f"running one training step for real on {args.fsdp} CPU processes (torchrun, gloo) at B={args.batch} per rank")
+    say(f"running one training step for real on {args.fsdp * args.tp} CPU processes (torchrun, gloo) at B={args.batch} per rank")
     ranks = measure_ranks(
-        materialize(spec.model), spec.inputs, args.batch, fsdp=args.fsdp, units=units, loss=spec.loss,
+        materialize(spec.model), spec.inputs, args.batch, fsdp=args.fsdp, units=units, tp=args.tp, tp_plan=_tp_plan(args.tp_plan), loss=spec.loss,
         optimizer=get_optimizer(args.optimizer).name, first_step=args.first_step, seq_len=report.seq_len,
         mixed=report.setup.fsdp_mixed,
     )  # fmt: skip

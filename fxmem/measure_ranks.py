@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from fxmem.engine.losses import get_loss
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
+from fxmem.parallel import ParallelPlan, apply_plan, plan_mesh, tp_layers
 from fxmem.results import Phase
 from fxmem.step.state import get_optimizer
 
@@ -76,8 +78,10 @@ def measure_ranks(
     inputs: InputSpecs,
     batch: int,
     *,
-    fsdp: int,
+    fsdp: int = 1,
     units: tuple[str, ...] = (),
+    tp: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
     loss: str = "sum",
     optimizer: str = "adamw",
     first_step: bool = False,
@@ -86,19 +90,24 @@ def measure_ranks(
     mixed: bool = False,
     timeout: float = 600.0,
 ) -> tuple[RankMeasurement, ...]:
-    """Run one real training step of ``model`` sharded by FSDP2 over ``fsdp`` CPU processes (``units``
-    wrapped first, then the root), ``batch`` samples on each rank; each rank's measurement. ``mixed``:
-    FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``."""
+    """Run one real training step of ``model`` on ``fsdp x tp`` CPU processes: sharded by FSDP2 over
+    ``fsdp`` data-parallel ranks (``units`` wrapped first, then the root) and by tensor parallel over
+    ``tp`` (``tp_plan``, default the model's own), composed as the simulation composes them
+    (``apply_plan`` in fxmem/parallel); ``batch`` samples on each data-parallel rank; each rank's
+    measurement. ``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``."""
     check_batch(batch)
     specs = parse_inputs(inputs)
     get_loss(loss), get_optimizer(optimizer)  # fail here, not in N processes
-    if not isinstance(fsdp, int) or fsdp < 2:
-        raise InputSpecError(f"measure_ranks needs --fsdp 2 or more processes; got {fsdp!r}.")
+    name = type(model).__name__
+    layers = tp_layers(model, tp, tp_plan, name) if isinstance(tp, int) and tp > 1 else ()
+    plan = ParallelPlan(fsdp, tuple(units) if fsdp > 1 else (), mixed=mixed, tp=tp, tp_layers=layers)
+    if plan.world_size < 2:
+        raise InputSpecError(f"measure_ranks needs 2 or more processes (--fsdp N, --tp T); got fsdp={fsdp!r}, tp={tp!r}.")
     torch.manual_seed(seed)
     real = materialize(model).train()
     config = {
-        "model": real, "specs": specs, "batch": batch, "units": list(units), "loss": loss, "optimizer": optimizer, "first_step": first_step,
-        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "mixed": mixed, "name": type(model).__name__,
+        "model": real, "specs": specs, "batch": batch, "plan": plan, "loss": loss, "optimizer": optimizer, "first_step": first_step,
+        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "name": name,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fxmem-ranks-") as where:
         folder = Path(where)
@@ -106,12 +115,12 @@ def measure_ranks(
             torch.save(config, folder / "step.pt")
         except Exception as e:  # the ranks are other processes: the model reaches them pickled
             raise InputSpecError(
-                f"model '{type(model).__name__}' cannot be handed to the {fsdp} rank processes ({type(e).__name__}: "
+                f"model '{name}' cannot be handed to the {plan.world_size} rank processes ({type(e).__name__}: "
                 f"{(str(e).strip().splitlines() or [''])[0][:200]}); define its class (and any function it holds) at "
                 "module level of an importable file, so that pickle can find it."
             ) from e
-        _launch(folder, fsdp, timeout, type(model).__name__)
-        return tuple(_read(folder / f"rank{r}.json") for r in range(fsdp))
+        _launch(folder, plan.world_size, timeout, name)
+        return tuple(_read(folder / f"rank{r}.json") for r in range(plan.world_size))
 
 
 def _launch(folder: Path, ranks: int, timeout: float, name: str) -> None:
@@ -151,19 +160,13 @@ def _read(path: Path) -> RankMeasurement:
 def _rank_main(folder: Path) -> None:
     """One process of ``measure_ranks``: shard, take the step, write ``rank{N}.json``."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     config = torch.load(folder / "step.pt", weights_only=False)
     torch.set_num_threads(config["threads"])
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    rank = dist.get_rank()
     model = config["model"].train()
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if config["mixed"] else MixedPrecisionPolicy()
-    for path in config["units"]:
-        fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    apply_plan(model, config["plan"], plan_mesh(config["plan"]), config["name"])
     specs, loss_fn, rule = config["specs"], get_loss(config["loss"]), get_optimizer(config["optimizer"])
     torch.manual_seed(config["seed"])
     tensors = [make_input(s, config["batch"], config["seq_len"]) for s in specs]

@@ -19,14 +19,16 @@ class SelfAttention(nn.Module):
 
     def __init__(self, dim: int, heads: int, dropout: float, causal: bool) -> None:
         super().__init__()
-        self.heads, self.p, self.causal = heads, dropout, causal
+        self.heads, self.head_dim, self.p, self.causal = heads, dim // heads, dropout, causal
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.drop = nn.Dropout(dropout)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, S, D) -> (B, H, S, D/H) without reading B or S, so fx records no shape math."""
-        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        """(B, S, D) -> (B, H, S, D/H) without reading B or S, so fx records no shape math. The head
+        count is inferred from the width, as HF's and torchtitan's attention infer it, so that a
+        tensor-parallel rank holding a column slice of the projection runs its share of the heads."""
+        return t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # direct unpack: fx can't iterate a Proxy in a loop

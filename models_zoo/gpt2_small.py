@@ -19,6 +19,19 @@ __all__ = ["GPT", "build"]
 class GPT(nn.Module):
     """Token + learned position embedding, ``layers`` pre-LN blocks, final LN, LM head."""
 
+    _tp_plan = {
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
+    """Tensor parallel (in HF's ``_tp_plan`` form, see fxmem/parallel/tensor.py): Megatron's split of
+    each block, attention's fused projection and the MLP's first layer by output features, their
+    second layers by input features, so each block all-reduces twice in forward and twice in
+    backward. The fused projection's rows are sliced as they lie; Megatron orders them by head
+    (each head's q, k and v rows together) so that a slice holds whole heads, which changes no size.
+    The embeddings and the tied LM head stay replicated."""
+
     def __init__(
         self,
         vocab: int,

@@ -62,3 +62,15 @@ def assert_step_peak(model: nn.Module, inputs: list[str], batch: int, *, loss: s
         assert predicted.phase == measured.phase
     elif phase == "near":
         assert measured.phases[predicted.phase] >= measured.bytes - CRUMBS
+
+
+def tiny_llama(vocab_size: int = 97) -> nn.Module:
+    """A HF Llama test config (2 layers, d=32, 4 heads sharing 2 key/value heads), seeded; callers
+    skip first with ``pytest.importorskip("transformers")``."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)

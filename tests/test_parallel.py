@@ -18,6 +18,7 @@ from fxmem.measure_ranks import measure_ranks
 from fxmem.parallel import fake_world
 from fxmem.results import Category
 from models_zoo.gpt2_small import build
+from tests.helpers import tiny_llama
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -117,12 +118,8 @@ def test_fake_world_is_closed_and_not_nested() -> None:
 def test_fsdp_hugging_face_llama_through_export(first_step: bool) -> None:
     """A HF Llama test config, traced by torch.export (its weights read at the top of the graph, before
     the inputs): each real rank's peak, starting state and saved activations are the simulated rank's."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    model = tiny_llama()
     inputs = {"input_ids": "B,16:int64"}
     report = fxmem.analyze(model, inputs, loss="lm_cross_entropy", batch=2, target="cpu", fsdp=2)
     assert report.frontend == "export" and report.fsdp_units == ("model.layers.0", "model.layers.1")
@@ -186,10 +183,10 @@ def test_ranks_need_a_model_they_can_be_handed() -> None:
 
 def test_hooks_that_fail_name_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
     """A module's hook that raises inside the simulated step: one error naming the module and the node."""
-    import fxmem.parallel.fsdp as fsdp
+    import fxmem.parallel.rank as rank
 
     model, inputs = _gpt()
-    original = fsdp.shard_graph
+    original = rank.shard_graph
 
     def refuse(module: torch.nn.Module, args: tuple[object, ...]) -> None:
         raise RuntimeError("this unit cannot run")
@@ -199,6 +196,6 @@ def test_hooks_that_fail_name_the_module(monkeypatch: pytest.MonkeyPatch) -> Non
         sharded.get_submodule("blocks.1").register_forward_pre_hook(refuse)
         return sharded
 
-    monkeypatch.setattr(fsdp, "shard_graph", shard_and_refuse)
+    monkeypatch.setattr(rank, "shard_graph", shard_and_refuse)
     with pytest.raises(fxmem.CaptureError, match=r"forward pre-hooks of module 'blocks\.1' .* node 'blocks_1_ln1'"):
         fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2)

@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from fxmem.engine.binding import bind_inputs, fake_like, state_kinds, storage_of, swapped_state
+from fxmem.engine.binding import bind_inputs, fake_like, local_tensor, state_kinds, storage_of, swapped_state
 from fxmem.engine.dispatch import DtypeMismatch, LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.losses import Loss
 from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes, Scope
@@ -138,21 +138,22 @@ class _Book:
         self.alive.append(value)
         for t in tree_leaves(value):
             if isinstance(t, torch.Tensor) and _has_storage(t):
-                self.owner.setdefault(StorageWeakRef(t.untyped_storage()), node)
+                self.owner.setdefault(StorageWeakRef(storage_of(t)), node)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Note a saved tensor's storage; a DTensor's is its local shard's, whose shape is the rank's."""
         if not _has_storage(t):
             self.unsupported.append((self.current, f"saved a {t.layout} tensor without a plain storage"))
             return t
-        key = StorageWeakRef(t.untyped_storage())
+        key = StorageWeakRef(storage_of(t))
         self.alive.append(t)
         if key in self.saved:
             if self.current not in self.saved[key].saved_by:
                 self.saved[key].saved_by.append(self.current)
             return t
         owner = self.owner.setdefault(key, self.current)
-        nbytes = self.overrides.get(key, t.untyped_storage().nbytes())
-        shape = tuple(label_dim(d, self.batch_symbol, self.seq_symbol) for d in t.shape)
+        nbytes = self.overrides.get(key, storage_of(t).nbytes())
+        shape = tuple(label_dim(d, self.batch_symbol, self.seq_symbol) for d in local_tensor(t).shape)
         kind = self.kinds.get(key, Kind.ACTIVATION)
         self.saved[key] = _Entry(owner, [self.current], shape, dtype_name(t.dtype), nbytes, kind)
         return t

@@ -13,7 +13,8 @@ Note [Module hooks on a flattened graph]
     arguments, as the call received them) and the values it hands out (its outputs), and the
     interpreter calls the module's pre-hooks before the first node and its hooks after the last, in
     ``nn.Module._call_impl``'s order, with those values, and goes on with what the hooks return in
-    their place. The root module's scope is the whole graph, its arguments the graph's inputs, its
+    their place, inside the module: an argument read again after it (the input of q_proj that k_proj
+    reads next, a residual) is, as in eager, the caller's own value, not what the hooks made of it. The root module's scope is the whole graph, its arguments the graph's inputs, its
     output the graph's. A leaf module (a call_module node) fires its own hooks when it is called.
 """
 
@@ -163,14 +164,17 @@ class ModuleHooks(fx.Interpreter):
         new_args, kwargs = self._hooks(scope, scope.first, "forward pre-hooks", lambda: call_pre_hooks(scope.module, args, {}))
         for i, value in zip(scope.inputs, new_args):
             self.env[i] = value
-        self._calls()[scope.path] = (tuple(new_args), kwargs)
+        self._calls()[scope.path] = (tuple(new_args), kwargs, args)
         self.entered(scope)
 
     def _leave(self, scope: Scope, n: fx.Node, out: Any) -> Any:
         """Call a module's forward hooks with its outputs and go on with what they return."""
         self.hooks_run(scope, n)
         values = tuple(out if o is n else self.env[o] for o in scope.outputs)
-        args, kwargs = self._calls().pop(scope.path)
+        args, kwargs, given_args = self._calls().pop(scope.path)
+        for i, value in zip(scope.inputs, given_args):
+            if i in self.env:  # still read after the module: the caller's value again
+                self.env[i] = value
         given = values[0] if len(values) == 1 else values
         result = self._hooks(scope, n, "forward hooks", lambda: call_forward_hooks(scope.module, args, kwargs, given))
         returned = (result,) if len(values) == 1 else tuple(result)
@@ -196,9 +200,9 @@ class ModuleHooks(fx.Interpreter):
                 "units given to the sharding engine (fsdp_units)."
             ) from e
 
-    def _calls(self) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
-        """The arguments each hooked module's pre-hooks returned, kept until its hooks run (eager's
-        frame holds them as long)."""
+    def _calls(self) -> dict[str, tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]]:
+        """The arguments each hooked module's pre-hooks returned, and those it was given, kept until
+        its hooks run (eager's frames hold them as long)."""
         if not hasattr(self, "_module_calls"):
-            self._module_calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+            self._module_calls: dict[str, tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]] = {}
         return self._module_calls

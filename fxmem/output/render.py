@@ -553,7 +553,7 @@ def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
         where = f"in {p.phase} at {p.node}" + (f" ({p.fqn})" if p.fqn and p.fqn != p.node else "")
         parts = f"state {format_bytes(p.state)}, activations {format_bytes(p.saved)}, temporaries {format_bytes(p.temporaries)}, inputs {format_bytes(p.inputs)}"
         if p.communication:
-            parts += f", FSDP2 buffers {format_bytes(p.communication)}"
+            parts += f", {report.setup.engine_name if report.setup else 'engine'} buffers {format_bytes(p.communication)}"
         lines.append([f"Peak at {at} ({label})", format_bytes(p.bytes), f"{where}: {parts}"])
     return lines
 
@@ -606,7 +606,7 @@ def _per_gpu_lines(report: Report) -> list[list[str]]:
     setup, share = report.setup, report.per_gpu
     if setup is None or share is None or not setup.distributed:
         return []
-    how = f"{setup.world_size} ranks, FSDP2 run" if setup.engine else f"{setup.world_size} x {setup.shard}"
+    how = f"{setup.ranks} ranks, {setup.engine_name} run" if setup.engine else f"{setup.world_size} x {setup.shard}"
     head = [f"State per GPU ({how})", format_bytes(share.total), "of the model state above, on each GPU"]
     return [head, *([f"· {name}", format_bytes(line.nbytes), line.why] for name, line in share.lines() if line.nbytes)]
 

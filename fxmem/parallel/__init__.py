@@ -1,15 +1,24 @@
-"""One rank of a torch.distributed run, simulated: the model as ``fully_shard`` leaves it, on a fake
-process group of the run's size, driven through the flattened graph by the engine's own hooks.
+"""One rank of a torch.distributed run, simulated: the model as ``fully_shard`` and
+``parallelize_module`` leave it, on a fake process group of the run's size, driven through the
+flattened graph by the engine's own hooks.
 
-``fake_world`` opens the process group, ``shard_graph`` applies FSDP2 to a private copy of the traced
-graph's modules, and ``one_rank`` does both for one pass and says which modules' hooks the pass must
-call where their code begins and ends in the graph (the graph has no module calls left to fire them:
-``ModuleScopes`` in fxmem/engine/module_hooks.py). The capture and the step run as on one GPU; what
-FSDP2 allocates (its all-gathers, the gathered weights, the reduce-scatter buffers) is what its own
-code allocates there.
+``fake_world`` opens the process group; ``ParallelPlan`` says what runs on how many ranks
+(FSDP2's units, tensor parallel's layers, from a plan of the model's own: ``default_tp_plan``);
+``shard_graph`` applies it to a private copy of the traced graph's modules, and ``one_rank`` does
+both for one pass and says which modules' hooks the pass must call where their code begins and
+ends in the graph (the graph has no module calls left to fire them: ``ModuleScopes`` in
+fxmem/engine/module_hooks.py). The capture and the step run as on one GPU; what the engine
+allocates (FSDP2's all-gathers, gathered weights and reduce-scatter buffers, tensor parallel's
+all-reduces) is what its own code allocates there. ``apply_plan`` applies the same plan to a real
+model in a real process group (fxmem/measure_ranks.py).
 """
 
 from fxmem.parallel.fake_group import fake_world
-from fxmem.parallel.fsdp import FsdpPlan, gathered_parameters, one_rank, shard_graph
+from fxmem.parallel.fsdp import gathered_parameters
+from fxmem.parallel.rank import ParallelPlan, apply_plan, one_rank, plan_mesh, shard_graph
+from fxmem.parallel.tensor import TpLayer, default_tp_plan, resolve_tp_plan, tp_layers
 
-__all__ = ["FsdpPlan", "fake_world", "gathered_parameters", "one_rank", "shard_graph"]
+__all__ = [
+    "ParallelPlan", "TpLayer", "apply_plan", "default_tp_plan", "fake_world", "gathered_parameters", "one_rank", "plan_mesh", "resolve_tp_plan",
+    "shard_graph", "tp_layers",
+]  # fmt: skip

@@ -176,19 +176,20 @@ def fsdp_units(model: nn.Module) -> tuple[str, ...]:
     return tuple(fqn for fqn, _ in _block_units(model) if not fqn.startswith("("))
 
 
-def engine_share(steady: Timeline, peak: Peak, batch: int, seq: int | None, world_size: int) -> PerGpuState:
-    """One rank's state as the simulated FSDP2 step holds it (fxmem/parallel), not by formula: the
-    shards it starts with, the sharded gradients the step makes, and the engine's buffers at the peak."""
+def engine_share(steady: Timeline, peak: Peak, batch: int, seq: int | None, world_size: int, engine: str = "FSDP2") -> PerGpuState:
+    """One rank's state as the simulated step of the real engine holds it (fxmem/parallel), not by
+    formula: the shards it starts with, the sharded gradients the step makes, and the engine's
+    buffers at the peak."""
     at = lambda c: steady.baseline[c].at(batch, seq) if c in steady.baseline else 0
     grads = sum(e.nbytes.at(batch, seq) for e in steady.events if e.alloc and e.category == Category.GRADIENT and e.phase == Phase.BACKWARD)
-    who = f"FSDP2 over {world_size} ranks, simulated"
+    who = f"{engine} over {world_size} ranks, simulated"
     return PerGpuState(
         "fsdp",
         world_size,
-        ShardLine(at(Category.PARAMETER), f"this rank's padded shards ({who})"),
-        ShardLine(at(Category.BUFFER), "buffers replicated on every rank (fully_shard leaves them whole)"),
-        ShardLine(grads, "reduce-scattered gradient shards, kept until zero_grad"),
+        ShardLine(at(Category.PARAMETER), f"this rank's shards of the weights ({who})"),
+        ShardLine(at(Category.BUFFER), "buffers replicated on every rank (neither engine shards them)"),
+        ShardLine(grads, "this rank's gradients (FSDP2's reduce-scattered into shards), kept until zero_grad"),
         ShardLine(0, "no fp32 master copy: the shards are the weights"),
         ShardLine(at(Category.OPTIMIZER_STATE), "optimizer state of this rank's shards"),
-        ShardLine(peak.breakdown.get(Category.COMMUNICATION, 0), "FSDP2's gathered weights and collective buffers alive at the peak"),
+        ShardLine(peak.breakdown.get(Category.COMMUNICATION, 0), f"{engine}'s gathered weights and collective buffers alive at the peak"),
     )

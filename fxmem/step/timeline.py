@@ -85,7 +85,7 @@ from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
 from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
-from fxmem.parallel import FsdpPlan, gathered_parameters, one_rank
+from fxmem.parallel import ParallelPlan, gathered_parameters, one_rank
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.linear import in_aten_rnn, in_attention
 from fxmem.rules.optimizers import OptimizerRule
@@ -312,6 +312,8 @@ class _Tracker(TorchDispatchMode):
         label = self._label(f"{op} (recomputed)" if self.recomputing else op)
         if _adds_in_place_for_real(func, args) and self._adds_in_place(args[0], out):
             outs = ()
+        elif func is _WAIT and isinstance(out, torch.Tensor) and self._moved(args[0], out):
+            outs = ()  # Note [What a sharded step's engine allocates]: the collective's output, waited on
         for i, t in enumerate(outs):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
                 self._allocated(t, sizes.get(i), *self._foreach_owner(op, args, i, (node, fqn)), label)
@@ -357,9 +359,16 @@ class _Tracker(TorchDispatchMode):
     def _adds_in_place(self, source: torch.Tensor, out: torch.Tensor) -> bool:
         """Count ``out`` as ``source``'s storage, written in place, when ``source`` is the newest storage
         (the matmul before the add). See Note [linear's bias on fake tensors] in fxmem/rules/linear.py."""
+        entry = self.live.get(StorageWeakRef(source.untyped_storage()))
+        if entry is None or entry.number != self.newest or source.shape != out.shape:
+            return False
+        return self._moved(source, out)
+
+    def _moved(self, source: torch.Tensor, out: torch.Tensor) -> bool:
+        """Count ``out``'s storage as ``source``'s, which it is in a real run; False if ``source``'s is not live."""
         key = StorageWeakRef(source.untyped_storage())
         entry = self.live.get(key)
-        if entry is None or entry.number != self.newest or source.shape != out.shape:
+        if entry is None:
             return False
         self.live.pop(key)
         self.watchers.pop(key, None)
@@ -448,12 +457,17 @@ class _Tracker(TorchDispatchMode):
 #     * The sharded parameters, their gradients and the optimizer state are DTensors. The tracker,
 #       a mode, sees an op on DTensors before DTensor runs it on the local shards, so it reads what
 #       the op did off the shards (``_local_tensor``), which hold the rank's storages.
+#     * A functional collective (tensor parallel's, through DTensor) returns its output, and
+#       ``wait_tensor`` returns that same tensor once the collective is done (torch/csrc/distributed/
+#       c10d/Functional.cpp); on fake tensors it returns a new one. The tracker counts the waited
+#       tensor as the collective's output, moved, not as a second allocation.
 #     * Every collective FSDP2 runs sits inside a ``record_function`` range of its own ("FSDP::
 #       all_gather", "FSDP::post_backward_reduce", ...), which reaches the mode as a profiler op. What
 #       is allocated inside one is the engine's: its category is COMMUNICATION (unless it later
 #       holds the gradients, as the reduce-scatter output does), and its label names the range.
 
 _RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _RANGE_OPS = frozenset({_RANGE_ENTER, torch.ops.profiler._record_function_exit._RecordFunction})
 _ENGINE_RANGES = ("FSDP::",)
 """The ``record_function`` names whose allocations are the sharding engine's."""
@@ -665,7 +679,7 @@ def simulate_step(
     optimizer_impl: str | None = None,
     state_dtype: torch.dtype | None = None,
     layouts: Mapping[str, LayoutRule] | None = None,
-    parallel: FsdpPlan | None = None,
+    parallel: ParallelPlan | None = None,
 ) -> Timeline:
     """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
 
@@ -706,7 +720,7 @@ def simulate_step(
 
 
 def _one_rank(
-    gm: fx.GraphModule, parallel: FsdpPlan | None, fake: FakeBatch, model: str
+    gm: fx.GraphModule, parallel: ParallelPlan | None, fake: FakeBatch, model: str
 ) -> AbstractContextManager[tuple[fx.GraphModule, ModuleScopes | None]]:
     """The graph module the step runs, and the modules whose hooks it calls: ``gm`` itself, or a copy
     sharded as one rank of ``parallel`` holds it, on a fake process group open for the step."""

@@ -53,6 +53,9 @@ class TrainingSetup:
     torch_version: str | None = None
     """The torch release the training job runs ("2.11"), whose kernel choices a cuda target follows
     where they changed between releases (SDPA's backend, cuBLASLt's workspace); None: fxmem's own."""
+    tp: int = 1
+    """Tensor-parallel ranks (``--tp``), each data-parallel rank's group of ``tp`` GPUs; the step is
+    then one rank's of the real engine (fxmem/parallel)."""
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
@@ -62,6 +65,13 @@ class TrainingSetup:
             _check_choice("optimizer_impl", self.optimizer_impl, IMPLS)
         if self.shard != "none" and self.target != "cuda" and not self.engine:
             raise InputSpecError(f"--shard {self.shard} shards state across GPUs: use it with --target cuda.")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise InputSpecError(f"--tp needs a whole number of ranks, 1 or more; got {self.tp!r}.")
+        if self.tp > 1 and self.recipe == "mixed" and not self.fsdp:
+            raise InputSpecError(
+                "--precision mixed with --tp is FSDP2's MixedPrecisionPolicy, which needs --fsdp N too; use fp32 or amp "
+                "with tensor parallel alone."
+            )
         if self.engine and self.recipe not in ENGINE_RECIPES:
             raise InputSpecError(
                 f"--fsdp runs FSDP2 itself, which keeps fp32 shards and takes low precision from its MixedPrecisionPolicy: "
@@ -99,7 +109,13 @@ class TrainingSetup:
     @property
     def engine(self) -> bool:
         """Whether the step is simulated as one rank of a real FSDP2 run (fxmem/parallel) rather than
-        divided by DeepSpeed's formulas: ``--shard fsdp`` (``--fsdp N``) with more than one GPU."""
+        divided by DeepSpeed's formulas: ``--shard fsdp`` (``--fsdp N``) with more than one GPU, or
+        tensor parallel (``--tp T``)."""
+        return self.fsdp or self.tp > 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether FSDP2 itself shards the state over the data-parallel ranks."""
         return self.shard == "fsdp" and self.world_size > 1
 
     @property
@@ -107,12 +123,22 @@ class TrainingSetup:
         """Whether FSDP2 runs with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``:
         the ``mixed`` recipe's form in FSDP2 (the same 16 bytes of state per AdamW parameter, held as
         fp32 shards, fp32 gradient shards and fp32 moments; the gathered weights and the compute bf16)."""
-        return self.engine and self.recipe == "mixed"
+        return self.fsdp and self.recipe == "mixed"
 
     @property
     def distributed(self) -> bool:
         """Whether the state is divided among GPUs (more than one, or a sharding stage named)."""
-        return self.world_size > 1 or self.shard != "none"
+        return self.world_size > 1 or self.shard != "none" or self.tp > 1
+
+    @property
+    def ranks(self) -> int:
+        """GPUs in the run: the data-parallel ranks times each one's tensor-parallel group."""
+        return self.world_size * self.tp
+
+    @property
+    def engine_name(self) -> str:
+        """The parallelisms the real engine runs, in words ("" without one)."""
+        return " x ".join(name for name, on in (("FSDP2", self.fsdp), ("tensor parallel", self.tp > 1)) if on)
 
     @property
     def device(self) -> GpuSpec:

@@ -1,0 +1,168 @@
+"""One rank of a composed parallel run: the plan (FSDP2's degree and units, tensor parallel's degree
+and layers), the device mesh it runs on, and the plan applied to a private copy of a traced graph, or
+to the real model a multi-process run measures, by the same code."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fxmem.engine.binding import fake_like
+from fxmem.engine.module_hooks import ModuleScopes
+from fxmem.errors import InputSpecError
+from fxmem.parallel.fake_group import fake_world
+from fxmem.parallel.fsdp import fsdp_policy, shard_units
+from fxmem.parallel.tensor import TpLayer, apply_tp
+
+__all__ = ["Meshes", "ParallelPlan", "apply_plan", "one_rank", "plan_mesh", "shard_graph"]
+
+Meshes = tuple[DeviceMesh | None, DeviceMesh | None]
+"""(the FSDP2 mesh, the tensor-parallel mesh); None where that parallelism is off."""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How one step is divided among ``fsdp * tp`` ranks: FSDP2 over ``fsdp`` data-parallel ranks
+    (``units`` wrapped first, then the root) and tensor parallel over ``tp`` ranks (``tp_layers``),
+    composed as torchtitan composes them: tensor parallel first, on the inner dimension of a 2-D mesh,
+    then ``fully_shard`` on the outer one."""
+
+    fsdp: int = 1
+    units: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+    """FSDP2's default: a unit's gathered weights are freed after its forward and gathered again for
+    its backward (the root's are kept, as ``fully_shard`` does for the root by default)."""
+    mixed: bool = False
+    """``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: weights
+    gathered and computed in bf16, gradients reduced in fp32 into fp32 shards."""
+    tp: int = 1
+    tp_layers: tuple[TpLayer, ...] = ()
+
+    def __post_init__(self) -> None:
+        for option, value in (("--fsdp", self.fsdp), ("--tp", self.tp)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InputSpecError(f"{option} needs a whole number of ranks, 1 or more; got {value!r}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.fsdp * self.tp
+
+    def policy(self) -> MixedPrecisionPolicy:
+        """The ``mp_policy`` every ``fully_shard`` call gets."""
+        return fsdp_policy(self.mixed)
+
+    def within(self, gm: fx.GraphModule) -> ParallelPlan:
+        """The plan for ``gm``, a copy of the model cut to fewer blocks (Note [Repeated blocks] in
+        fxmem/frontends/blocks.py): the units and layers it still has."""
+        present = {name for name, _ in gm.named_modules()}
+        return replace(
+            self, units=tuple(u for u in self.units if u in present), tp_layers=tuple(t for t in self.tp_layers if t.path in present)
+        )
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        """Every module ``fully_shard`` wraps, the root ("") last."""
+        return (*self.units, "") if self.fsdp > 1 else ()
+
+    def describe(self) -> str:
+        """The run in words, for the step's path and the report's header."""
+        parts = [f"FSDP2 over {self.fsdp} (fully_shard on {len(self.units)} units and the root)"] if self.fsdp > 1 else []
+        parts += [f"tensor parallel over {self.tp} ({len(self.tp_layers)} layers)"] if self.tp > 1 else []
+        return " x ".join(parts)
+
+
+def plan_mesh(plan: ParallelPlan) -> Meshes:
+    """(the FSDP2 mesh, the tensor-parallel mesh) of the process group this process is in: one
+    dimension for one parallelism, ("dp", "tp") for both. Made outside any fake mode: a mesh holds
+    real rank numbers, which it reads to find this rank's coordinates."""
+    if plan.fsdp > 1 and plan.tp > 1:
+        mesh = init_device_mesh("cpu", (plan.fsdp, plan.tp), mesh_dim_names=("dp", "tp"))
+        return mesh["dp"], mesh["tp"]
+    mesh = init_device_mesh("cpu", (plan.world_size,))
+    return (mesh, None) if plan.fsdp > 1 else (None, mesh)
+
+
+def apply_plan(root: nn.Module, plan: ParallelPlan, meshes: Meshes, model: str = "model") -> None:
+    """Apply ``plan`` to ``root`` in place, on ``meshes`` (``plan_mesh``'s)."""
+    dp, tp = meshes
+    if tp is not None:
+        apply_tp(root, plan.tp_layers, tp, model)
+    if dp is not None:
+        shard_units(root, plan.units, dp, plan.reshard_after_forward, plan.policy(), model)
+
+
+# Note [Sharding a copy of the graph]
+#     ``fully_shard`` and ``parallelize_module`` change the modules they are given: their class, their
+#     hooks, their parameters (now DTensors holding one rank's shard). A traced GraphModule shares its
+#     parameters and its ``torch.nn`` leaves with the user's model, so the step shards a deep copy of
+#     the graph module, made while its state is fake (``swapped_state``), which costs no real memory.
+#     The copy keeps the module paths and node names of the original, so everything the step records
+#     is named as without sharding. ``copy.deepcopy`` of a fake tensor makes one in a new fake mode,
+#     whose ops the pass's mode sees as foreign inputs and copies (a view of a tied weight would get
+#     a storage of its own and count as an activation), so the copy's state is made in the pass's
+#     mode instead, each tensor once (tied weights stay tied).
+
+
+def shard_graph(gm: fx.GraphModule, plan: ParallelPlan, meshes: Meshes, mode: FakeTensorMode, model: str = "model") -> fx.GraphModule:
+    """A copy of ``gm`` (its state fake, in ``mode``) with ``plan`` applied on ``meshes``."""
+    memo: dict[int, object] = {}
+    with mode:
+        for t in (*gm.parameters(), *gm.buffers()):
+            memo.setdefault(id(t), fake_like(t))
+    sharded = copy.deepcopy(gm, memo)
+    with mode, _meshes_outside():
+        apply_plan(sharded, plan, meshes, model)
+    return sharded
+
+
+# Note [Meshes made while sharding]
+#     ``fully_shard`` over parameters that tensor parallel already made DTensors joins the two meshes
+#     into one (``DeviceMesh._concatenate`` in FSDPParam._init_sharding_spec_tp), and a new mesh reads
+#     its own rank numbers from a tensor of them to find this rank's coordinates. Inside the pass's
+#     fake mode that tensor would be fake and the coordinates unknowable, so meshes are joined with
+#     the fake mode set aside: they are a few integers of bookkeeping, not the step's memory.
+
+
+@contextlib.contextmanager
+def _meshes_outside() -> Iterator[None]:
+    """Join device meshes outside the fake mode while the plan is applied (Note [Meshes made while sharding])."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    original = DeviceMesh._concatenate
+
+    def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return original(meshes)
+
+    DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(original)  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def one_rank(
+    plan: ParallelPlan, gm: fx.GraphModule, mode: FakeTensorMode, model: str = "model"
+) -> Iterator[tuple[fx.GraphModule, ModuleScopes]]:
+    """For the length of one pass: ``gm`` as rank 0 of ``plan`` holds it (its state already fake, in
+    ``mode``), on a fake process group, and the scopes of the modules whose hooks the pass calls: the
+    FSDP2 units and root, and the tensor-parallel layers that are not calls of their own in the graph."""
+    with fake_world(plan.world_size, model):
+        sharded = shard_graph(gm, plan, plan_mesh(plan), mode, model)
+        yield sharded, ModuleScopes.of(sharded, (*plan.paths, *_flattened(sharded, plan.tp_layers)), model)
+
+
+def _flattened(gm: fx.GraphModule, layers: tuple[TpLayer, ...]) -> tuple[str, ...]:
+    """The layers whose code the graph holds inline (torch.export's), rather than as a call of the
+    module (torch.fx's leaves), which fires its hooks itself."""
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    return tuple(t.path for t in layers if t.path not in called)
