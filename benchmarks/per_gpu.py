@@ -9,6 +9,12 @@ shards, so its 16 bytes per parameter are 4 + 4 + 8 (weights, gradients, moments
 copy), and "gathered" is what its own buffers hold at the step's peak. The models are built on the
 meta device, so this takes a minute and no memory.
 
+The second table is tensor parallel's effect on one rank of Llama-3.1-8B (HF's config sizes, its own
+``base_model_tp_plan``: attention and MLP split column- then row-wise, the embedding's rows split, the
+LM head's output gathered) training at 8192 tokens, B=1, bf16 autocast, fp32 AdamW (for-loop: tensor
+parallel alone leaves the norms plain tensors, which foreach refuses beside DTensors), each rank's
+step simulated on the real ``parallelize_module`` (fxmem/parallel/tensor.py), a minute per row.
+
     python benchmarks/per_gpu.py            # N = 8
     python benchmarks/per_gpu.py 64         # N = 64
 """
@@ -58,14 +64,45 @@ def _engine_row(name: str, model: torch.nn.Module, ctx: int, world_size: int) ->
     return [name, f"fsdp x {world_size} (FSDP2 run, fp32)", *(format_bytes(c.nbytes) for c in cells), format_bytes(share.total)]
 
 
+LLAMA_3_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+}  # fmt: skip
+"""Llama-3.1-8B's sizes (meta-llama/Llama-3.1-8B's config.json)."""
+
+
+def tp_rows(degrees: tuple[int, ...] = (1, 2, 4, 8), tokens: int = 8192) -> list[list[str]]:
+    """One rank of Llama-3.1-8B under tensor parallel over each degree, simulated on the cuda target."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_8B))
+    out = []
+    for tp in degrees:
+        report = fxmem.analyze(
+            model, {"input_ids": f"B,{tokens}:int64"}, loss="lm_cross_entropy", batch=1, tp=tp, amp="bf16", optimizer_impl="for-loop"
+        )
+        peak = report.peak(1)
+        allocated = peak.device.allocated if peak.device is not None else peak.bytes
+        state = report.per_gpu.total if tp > 1 else report.state.total
+        cells = (state, report.activation_bytes(1), allocated)
+        out.append(["Llama-3.1-8B", f"{tokens}", f"tp x {tp}", *(format_bytes(c) for c in cells)])
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
 def main(argv: list[str]) -> int:
     world_size = int(argv[0]) if argv else 8
     header = ["model", "stage x GPUs", "weights", "gradients", "fp32 master", "Adam moments", "gathered", "state per GPU"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for name in CONFIGS:
-        for row in rows(name, world_size):
-            print("| " + " | ".join(row) + " |")
+    _table(header, [row for name in CONFIGS for row in rows(name, world_size)])
+    print()
+    _table(["model", "tokens", "parallel", "state per GPU", "saved activations per GPU", "peak per GPU (allocated)"], tp_rows())
     return 0
 
 

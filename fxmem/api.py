@@ -119,6 +119,7 @@ def analyze(
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan)
     say("counting model state")
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
+    _check_tp_optimizer(model, plan, impl, name)
     state, per_gpu, device = _state(model, opt, param_dtype, setup, impl)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict, setup)
     steps = None
@@ -466,6 +467,25 @@ def _parallel_plan(
     chosen = _fsdp_units(model, units, name) if setup.fsdp else ()
     layers = tp_layers(model, setup.tp, tp_plan, name) if setup.tp > 1 else ()
     return ParallelPlan(setup.world_size if setup.fsdp else 1, chosen, mixed=setup.fsdp_mixed, tp=setup.tp, tp_layers=layers)
+
+
+def _check_tp_optimizer(model: nn.Module, plan: ParallelPlan | None, impl: str, name: str) -> None:
+    """Tensor parallel alone leaves the parameters outside its layers plain tensors beside the layers'
+    DTensors, and torch's foreach and fused optimizers refuse such a mix ("got mixed torch.Tensor and
+    DTensor"), in a real run as in the simulated one: say so before the step is simulated."""
+    if plan is None or plan.tp == 1 or plan.fsdp > 1 or impl == "for-loop":
+        return
+    sharded = {
+        f"{layer.path}.{p}" if layer.path else p for layer in plan.tp_layers for p, _ in model.get_submodule(layer.path).named_parameters()
+    }
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and n not in sharded]
+    if plain:
+        raise InputSpecError(
+            f"model '{name}': with --tp {plan.tp} alone, parameter '{plain[0]}' (and {len(plain) - 1} more) stays a plain tensor "
+            f"beside the tensor-parallel layers' DTensors, and the {impl} optimizer refuses that mix in a real run too; pass "
+            "--optimizer-impl for-loop (optimizer_impl='for-loop'), add --fsdp N (FSDP2 makes every parameter a DTensor), "
+            "or give those modules a style in the plan."
+        )
 
 
 def _fsdp_units(model: nn.Module, units: Iterable[str] | None, name: str) -> tuple[str, ...]:

@@ -60,6 +60,15 @@ def test_a_model_without_a_plan_is_refused() -> None:
     assert "tensor parallel over 2 (2 layers)" in report.steps.path
 
 
+def test_foreach_optimizer_refuses_plain_beside_sharded_parameters() -> None:
+    """On the cuda target torch's default AdamW is foreach, which refuses DTensors mixed with plain
+    tensors; tensor parallel alone leaves the norms and embeddings plain: refused before simulating,
+    as a real run would fail at its first optimizer step."""
+    model, inputs = _gpt()
+    with pytest.raises(InputSpecError, match=r"parameter 'tok\.weight' \(and \d+ more\) stays a plain tensor.*foreach optimizer"):
+        fxmem.analyze(model, inputs, loss="lm_cross_entropy", batch=2, tp=2)
+
+
 @pytest.fixture(scope="module")
 def simulated() -> fxmem.Report:
     model, inputs = _gpt()
