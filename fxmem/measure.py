@@ -41,6 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from fxmem.engine.account import node_bytes_at
 from fxmem.engine.capture import record_real
 from fxmem.engine.losses import Loss, get_loss
+from fxmem.engine.recompute import selective_caches
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_input, parse_inputs, tensors_of
@@ -164,13 +165,15 @@ def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch
         seen.setdefault(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), selective_caches() as caches:
         out = model(*args, **kwargs)
         output = loss.select(out, type(model).__name__)
         target = loss.make_target(output)
         if target is not None:
             excluded.add(StorageWeakRef(target.untyped_storage()))
         loss.compute(output, target)
+    for t in (t for cache in caches for t in cache.new()):  # what a selective checkpoint's policy kept for backward
+        pack(t)
     return sum(n for key, n in seen.items() if key not in excluded)
 
 

@@ -7,6 +7,7 @@ peak within 1% and in the same phase, as tests/test_peak_zoo.py holds the zoo to
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -15,12 +16,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, checkpoint_sequential, create_selective_checkpoint_contexts
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
 
 import fxmem
 from fxmem.errors import TraceError
 from fxmem.measure import measure, measure_peak
-from fxmem.results import Phase
+from fxmem.results import Category, Phase
 from fxmem.symbolic import ByteExpr
 
 D, T = 32, 8  # width and tokens: every block's input is (B, 8, 32) float32, 1 KiB per sample
@@ -86,17 +94,36 @@ class Nested(nn.Module):
         return F.dropout(y, 0.1)
 
 
-def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) else CheckpointPolicy.PREFER_RECOMPUTE
+class SaveMatmuls:
+    """A selective-checkpoint policy written by hand: keep every mm and addmm output, recompute the rest.
+
+    With ``kept`` it also collects, in forward, the outputs it tells torch to keep (``ctx.op_output``):
+    what a real run holds for backward outside any saved-tensor hook, counted without reading torch's cache.
+    """
+
+    def __init__(self, kept: list[torch.Tensor] | None = None) -> None:
+        self.kept = kept
+
+    def __call__(self, ctx: SelectiveCheckpointContext, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        if op not in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if self.kept is not None and not ctx.is_recompute:
+            self.kept.append(ctx.op_output)
+        return CheckpointPolicy.MUST_SAVE
 
 
 class Selective(PerBlock):
     """Selective activation checkpointing: each block keeps its matmuls' outputs, recomputes the rest.
-    Those outputs live in the checkpoint's own cache, not in saved tensors: they count in the peak."""
+    Those outputs live in the checkpoint's own cache, not in saved tensors, until backward: they count as
+    saved by the linear that made them, and in the peak (Note [What a selective checkpoint keeps])."""
+
+    def __init__(self, policy: SaveMatmuls | None = None) -> None:
+        super().__init__()
+        self.policy = policy or SaveMatmuls()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False, context_fn=context)
         return self.head(x)
@@ -129,11 +156,14 @@ def test_a_checkpoint_keeps_its_inputs_and_nothing_it_computes() -> None:
 
 # (model, frontend): every model through torch.fx; through torch.export, those with one level of
 # non-reentrant checkpoints (export cannot give back the others, and fxmem refuses them: see below)
-CASES = [(name, "fx") for name in MODELS] + [(name, "export") for name in ("per-block", "sequential")]
+CASES = [(name, "fx") for name in MODELS] + [(name, "export") for name in ("per-block", "sequential", "selective")]
 IDS = [f"{name}-{frontend}" for name, frontend in CASES]
+PLAIN = [(name, frontend) for name, frontend in CASES if name != "selective"]
+"""The cases whose real run keeps nothing outside saved tensors: fxmem.measure's eager total sees it all
+(the selective ones are compared with a count of their own below)."""
 
 
-@pytest.mark.parametrize(("name", "frontend"), CASES, ids=IDS)
+@pytest.mark.parametrize(("name", "frontend"), PLAIN, ids=[f"{name}-{frontend}" for name, frontend in PLAIN])
 def test_saved_bytes_equal_a_real_run(name: str, frontend: str) -> None:
     report = _analyze(MODELS[name], frontend)
     assert report.frontend == frontend and report.checkpointed > 0
@@ -155,6 +185,69 @@ def test_the_step_peak_matches_the_profiler(name: str, frontend: str, first_step
         error = (predicted.bytes - measured.bytes) / measured.bytes
         assert abs(error) <= 0.01, f"{name} B={batch}: predicted {predicted.bytes}, measured {measured.bytes} ({error:+.2%})"
         assert predicted.phase == measured.phase
+
+
+def _saved_by_selective(batch: int) -> int:
+    """Bytes a real eager Selective forward and "sum" loss keep for backward: the distinct storages of what
+    the saved-tensor hooks see and of what the policy told torch to keep, less weights and the batch."""
+    held: list[torch.Tensor] = []
+    torch.manual_seed(0)
+    model = Selective(SaveMatmuls(held))
+    x = torch.randn(batch, T, D)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        held.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    left_out = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), x]}
+    sizes = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}
+    return sum(n for key, n in sizes.items() if key not in left_out)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_selective_checkpoint_keeps_what_its_policy_saves(frontend: str) -> None:
+    # Each block's two linears run as addmm on (8B, 32) x (32, 128) and (8B, 128) x (128, 32); the policy
+    # keeps both outputs, 8 x (128 + 32) x 4 B = 5 KiB per sample, charged to the linear that made it,
+    # on top of the 5 KiB per sample of checkpoint inputs seen before (test above): 4 x 5 + 5 KiB.
+    report = _analyze(Selective, frontend)
+    assert report.activations == ByteExpr(per_sample=(4 * 5 + 5) * 1024)
+    first, second = ("blocks_0_f_0", "blocks_0_f_2") if frontend == "fx" else ("linear_1", "linear_2")
+    assert [report.node_bytes(2)[n] for n in (first, second)] == [2 * T * 4 * D * 4, 2 * T * D * 4]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_selective_saved_bytes_equal_a_real_run(frontend: str) -> None:
+    # Against the model run eagerly (_saved_by_selective), and node by node against fxmem's recorder
+    # run on real CPU tensors over the same graph (measure's per-node split).
+    report = _analyze(Selective, frontend)
+    for batch in (1, 3):
+        real = measure(Selective(), INPUTS, batch=batch, frontend=frontend)
+        assert report.activation_bytes(batch) == _saved_by_selective(batch) == real.graph_total
+        assert {n: b for n, b in report.node_bytes(batch).items() if b} == {n: b for n, b in real.nodes.items() if b}
+
+
+def test_measure_eager_total_counts_the_selective_cache() -> None:
+    # The eager total (no fx) watches each checkpoint call's caching mode (selective_caches in
+    # fxmem/engine/recompute.py); the policy's own record of what it kept is the independent count.
+    assert measure(Selective(), INPUTS, batch=3).total == _saved_by_selective(3)
+
+
+def test_a_chosen_plan_is_counted_as_the_plan_measures_it() -> None:
+    # The checkpointing plan fxmem.planner chooses for the zoo GPT at B=4 keeps matmul outputs in both
+    # blocks (tests/test_plan_checkpoint.py); applied by its own emitted code, its saved bytes must be
+    # those that measure_plan counts in a real step (hooks and the policy's cache).
+    from fxmem.planner import compile_plan, measure_plan, plan_checkpointing
+    from models_zoo import gpt2_small
+
+    spec = gpt2_small.build(test=True)
+    plan = plan_checkpointing(spec.model, spec.inputs, ["blocks.0", "blocks.1"], budget=120_000, batch=4, loss=spec.loss)
+    assert any(b.kept for b in plan.blocks)
+    model = compile_plan(plan)(copy.deepcopy(spec.model))
+    report = fxmem.analyze(model, spec.inputs, loss=spec.loss, target="cpu", batch=4, peak=False)
+    assert report.checkpointed == 2
+    assert report.activation_bytes(4) == measure_plan(spec.model, spec.inputs, plan, loss=spec.loss).saved
 
 
 def test_backward_recomputes_the_region() -> None:
@@ -261,3 +354,14 @@ def test_an_hf_spec_checkpoints_every_layer_when_asked(tmp_path: Path) -> None:
     assert report.activation_bytes(2) == measure(real, spec.inputs, batch=2, loss=spec.loss).total
     plain = fxmem.load_model(name, seq_len=16)
     assert report.activations.at(2) < fxmem.analyze(plain.model, plain.inputs, loss=plain.loss, target="cpu", peak=False).activations.at(2)
+
+
+def test_what_a_selective_checkpoint_keeps_is_an_activation_in_the_step() -> None:
+    # Every storage the forward allocates and backward needs is an activation in the step's timeline,
+    # kept by autograd or by the policy's cache alike: those allocated in forward sum to the saved bytes
+    # and the model's output (which the caller holds through the step, an activation too).
+    report = fxmem.analyze(Selective(), INPUTS, batch=3, target="cpu")
+    timeline = report.timeline(3)
+    kept = sum(e.nbytes.at(3) for e in timeline.events if e.alloc and e.phase == Phase.FORWARD and e.category == Category.ACTIVATION)
+    output = Selective()(torch.zeros(3, T, D)).numel() * 4  # float32
+    assert kept == report.activation_bytes(3) + output == _saved_by_selective(3) + output

@@ -189,7 +189,10 @@ class _Recorder(ModuleHooks, RegionInterpreter):
     """An fx Interpreter that installs the saved-tensor hooks around each node it runs.
 
     Inside a checkpointed region it installs none: the checkpoint's own hooks decide what the region
-    keeps, and the hooks around the checkpoint call see that (See Note [Checkpointed regions]).
+    keeps, and the hooks around the checkpoint call see that (See Note [Checkpointed regions]). What a
+    selective checkpoint's policy keeps passes through no hook: after each node of a region the
+    recorder takes what the policy stored meanwhile as saved by that node (See Note [What a selective
+    checkpoint keeps] in fxmem/engine/recompute.py).
     """
 
     passthrough = (FxmemError, SymbolicUnsupported, KeyboardInterrupt)
@@ -223,6 +226,8 @@ class _Recorder(ModuleHooks, RegionInterpreter):
         if n.op != "output":
             self.book.claim(out, n.name)
             self.infos.append(_node_info(n, out, self.book))
+        for t in self.cached() if self.checkpointed else ():  # See Note [What a selective checkpoint keeps]
+            self.book.pack(t)
         return out
 
 

@@ -3,14 +3,31 @@
 The passes that run a graph (capture, the step's timeline, the real per-node measurement) interpret it
 with ``RegionInterpreter``: torch itself then decides what a region keeps, and backward recomputes it.
 See Note [Checkpointed regions] in fxmem/frontends/checkpointing.py, which finds the regions.
+
+Note [What a selective checkpoint keeps]
+    A checkpoint called with ``context_fn=lambda: create_selective_checkpoint_contexts(policy)`` keeps,
+    besides its inputs, the outputs of the ops its policy marks MUST_SAVE or PREFER_SAVE. They pass
+    through no saved-tensor hook: the forward context, a ``_CachingTorchDispatchMode``, stores each
+    op's output (detached, so sharing its storage) as a ``_VersionWrapper`` in
+    ``storage[op][call index]``, and ``_RECOMPUTE`` for the others; backward's
+    ``_CachedTorchDispatchMode`` hands the stored tensor back and drops it (torch/utils/checkpoint.py).
+    So torch's own policy decides, and fxmem reads its decisions where torch keeps them: each region's
+    ``context_fn`` is wrapped to see the forward context it makes (``context_fn`` runs once per call,
+    in forward), and ``SelectiveCache.new`` lists the tensors it stored since it was last asked, so a
+    pass asking after each node charges each one to the node whose ops made it (a kept view's storage
+    stays with the node that allocated it: Note [Counting storages once] in fxmem/engine/capture.py).
+    Only forward calls are watched: a nested call's recomputation in backward keeps for its own
+    backward, after the forward's count. A ``context_fn`` whose
+    forward context is not torch's caching mode (a user's own dispatch mode) keeps nothing seen here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 from torch.fx.node import map_aggregate
@@ -19,13 +36,56 @@ from torch.utils._pytree import tree_leaves
 from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region, checkpoint_regions
 
-__all__ = ["SIGNALS", "RegionInterpreter"]
+__all__ = ["SIGNALS", "RegionInterpreter", "SelectiveCache"]
 
 SIGNALS: tuple[type[BaseException], ...] = tuple(
     e for e in (getattr(torch_checkpoint, "_StopRecomputationError", None),) if e is not None
 )
 """Exceptions checkpoint raises through the region's nodes on purpose: early stop of a recomputation
 once it has made every tensor backward needs. Node error handlers must let them pass."""
+
+
+class SelectiveCache:
+    """The outputs one selective checkpoint call keeps for backward (Note [What a selective checkpoint keeps])."""
+
+    def __init__(self, mode: torch_checkpoint._CachingTorchDispatchMode) -> None:
+        self._storage = mode.storage
+        self._seen: set[tuple[object, int]] = set()
+
+    def new(self) -> list[torch.Tensor]:
+        """The tensors stored since the last call (outputs the policy said to recompute are not stored)."""
+        found = []
+        for op, entries in list(self._storage.items()):
+            for index, entry in list(entries.items()):
+                if (op, index) not in self._seen:
+                    self._seen.add((op, index))
+                    found += [w.val for w in tree_leaves(entry) if isinstance(w, torch_checkpoint._VersionWrapper)]
+        return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def selective_caches() -> Iterator[list[SelectiveCache]]:
+    """For an eager run (no fx): every selective checkpoint's cache, as each call opens it. Every
+    non-reentrant ``checkpoint`` call goes through ``_checkpoint_without_reentrant_generator``, looked
+    up at call time (see Note [Checkpointed regions] in fxmem/frontends/checkpointing.py), which is
+    given the call's ``context_fn``: it is wrapped here to note the caching mode it returns."""
+    found: list[SelectiveCache] = []
+    original = torch_checkpoint._checkpoint_without_reentrant_generator
+
+    def generator(fn: Any, preserve: bool = True, context_fn: Any = torch_checkpoint.noop_context_fn, *rest: Any, **kwargs: Any) -> Any:
+        def observed() -> tuple[Any, Any]:
+            forward, recompute = context_fn()
+            if isinstance(forward, torch_checkpoint._CachingTorchDispatchMode):
+                found.append(SelectiveCache(forward))
+            return forward, recompute
+
+        return original(fn, preserve, observed, *rest, **kwargs)
+
+    torch_checkpoint._checkpoint_without_reentrant_generator = generator  # type: ignore[assignment]
+    try:
+        yield found
+    finally:
+        torch_checkpoint._checkpoint_without_reentrant_generator = original
 
 
 class RegionInterpreter(fx.Interpreter):
@@ -50,6 +110,8 @@ class RegionInterpreter(fx.Interpreter):
         self._ready: dict[fx.Node, Any] = {}
         self._forward = False
         self._plans: dict[int, list[tuple[fx.Node | int, tuple[fx.Node, ...]]]] = {}
+        self.caches: list[SelectiveCache] = []
+        """The selective checkpoint calls of this forward, in call order (Note [What a selective checkpoint keeps])."""
 
     def run_one(self, n: fx.Node) -> Any:
         return super().run_node(n)
@@ -62,6 +124,10 @@ class RegionInterpreter(fx.Interpreter):
         kernels), which checkpoint cannot restore since it is none of autocast, RNG or device state."""
         return contextlib.nullcontext()
 
+    def cached(self) -> list[torch.Tensor]:
+        """The tensors every selective checkpoint stored since the last call (Note [What a selective checkpoint keeps])."""
+        return [t for cache in self.caches for t in cache.new()]
+
     def run(self, *args: Any, **kwargs: Any) -> Any:
         self._forward = True
         try:
@@ -69,6 +135,7 @@ class RegionInterpreter(fx.Interpreter):
         finally:
             self._forward = False
             self.env = {}  # a region recomputed in backward holds this interpreter, not its values
+            self.caches = []
 
     def run_node(self, n: fx.Node) -> Any:
         index = self._top.get(n)
@@ -114,8 +181,22 @@ class RegionInterpreter(fx.Interpreter):
 
         outermost = self.region_call(region) if not self.checkpointed else contextlib.nullcontext()
         with outermost:  # a nested checkpoint's inputs are saved to the checkpoint around it, not to the pass
-            result = torch_checkpoint.checkpoint(body, *args, **region.options, **kwargs)
+            result = torch_checkpoint.checkpoint(body, *args, **self._observed(region.options), **kwargs)
         return dict(zip(outputs, result))
+
+    def _observed(self, options: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The call's options, its ``context_fn`` wrapped to note a selective checkpoint's caching mode."""
+        context_fn = options.get("context_fn")
+        if context_fn is None or context_fn is torch_checkpoint.noop_context_fn:
+            return options
+
+        def observed() -> tuple[Any, Any]:
+            forward, recompute = context_fn()
+            if self._forward and isinstance(forward, torch_checkpoint._CachingTorchDispatchMode):  # not a nested call recomputed
+                self.caches.append(SelectiveCache(forward))
+            return forward, recompute
+
+        return {**options, "context_fn": observed}
 
     def _run_region(self, index: int, env: dict[fx.Node, Any]) -> None:
         """Run a region's steps in ``env``, each value dropped after its last use, as eager drops a

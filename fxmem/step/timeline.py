@@ -194,6 +194,8 @@ class _Tracker(TorchDispatchMode):
     """The ``record_function`` ranges open now, innermost last (Note [What a sharded step's engine allocates])."""
     communication: set[int] = field(default_factory=set)
     """Numbers of the storages allocated inside the sharding engine's own ranges."""
+    kept: list[torch.Tensor] = field(default_factory=list)
+    """Outputs selective checkpoints kept in forward (their caches hold them until backward anyway)."""
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -596,6 +598,8 @@ class _Forward(ModuleHooks, RegionInterpreter):
         if n.op == "get_attr" and _traced_constant(str(n.target)) and isinstance(out, torch.Tensor):
             out = out.clone()  # Note [Tensors made while tracing]
         _label_autograd(out, (n.name, node_fqn(n)))
+        for kept in self.cached():  # a selective checkpoint's policy keeps them for backward, as autograd would
+            self.tracker.kept.append(kept)
         return out
 
 
@@ -750,8 +754,15 @@ def _run_step(
             categories[number] = Category.ACTIVATION
         return t.detach()  # not t itself: an output saved by its own grad_fn would make a reference cycle
 
+    def keep_cached() -> None:
+        """What selective checkpoints kept (Note [What a selective checkpoint keeps] in fxmem/engine/recompute.py) are activations."""
+        for t in tracker.kept:
+            pack(t)
+        tracker.kept.clear()
+
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), kernels():
         out = _Forward(gm, tracker, fake, model, kernels, scopes).run(*values)
+        keep_cached()
         tracker.poll()  # what died after the last op is released in the phase it died in
         tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
         output = loss.select(out, model)
