@@ -24,6 +24,8 @@ from fxmem.frontends.load import load_model
 from fxmem.gpu.gpus import GPUS, GpuSpec
 from fxmem.inputs import Constant, InputSpec, parse_inputs, parse_size
 from fxmem.measure import Measurement, PeakMeasurement, measure, measure_peak
+from fxmem.planner import CheckpointPlan, plan_checkpointing
+from fxmem.planner.search import Candidate, Plan, plan, verify
 from fxmem.report import Report
 from fxmem.results import (
     Category,
@@ -51,8 +53,10 @@ __all__ = [
     "GPUS",
     "RECIPES",
     "ByteExpr",
+    "Candidate",
     "CaptureError",
     "Category",
+    "CheckpointPlan",
     "Constant",
     "DevicePeak",
     "DuplicateRuleError",
@@ -76,6 +80,7 @@ __all__ = [
     "Peak",
     "PeakMeasurement",
     "Phase",
+    "Plan",
     "PrecisionRecipe",
     "Report",
     "StateBytes",
@@ -91,6 +96,9 @@ __all__ = [
     "measure_peak",
     "parse_inputs",
     "parse_size",
+    "plan",
+    "plan_checkpointing",
     "register_op_rule",
     "register_optimizer",
+    "verify",
 ]

@@ -16,6 +16,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 import torch
@@ -32,6 +33,7 @@ from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
 from fxmem.measure_ranks import measure_ranks
 from fxmem.output.render import FORMATS, MAX_ROWS, format_bytes, render, render_timeline
+from fxmem.planner.search import DEFAULT_LEVERS, LEVERS
 from fxmem.report import Report
 from fxmem.results import ModelSpec, Peak
 from fxmem.rules.optimizers import OPTIMIZERS
@@ -196,6 +198,18 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--first-step", action="store_true", help="the first step, which creates the optimizer state (default: a steady step)")
     t.add_argument("--plot", metavar="FILE.png", help="draw the memory over time by category (needs matplotlib: pip install 'fxmem[plot]')")
     _setup_options(t)
+    pl = sub.add_parser("plan", help="search the levers (micro-batch, precision, optimizer implementation, checkpointing, sharding) for the fastest step that fits",
+                        description="Find the training configurations whose step fits the GPU, fastest first, each simulated in full; or how far the closest falls short.", epilog=_SECURITY)  # fmt: skip
+    _model_options(pl)
+    pl.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU})")
+    pl.add_argument("--target", choices=TARGETS, default="cuda", help="cuda (the GPU's kernels, allocator and fixed costs), or cpu to plan for this machine, where --verify measures the plan")
+    pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs to train on: with N > 1 the planner also tries FSDP2 and FSDP2 x tensor parallel")
+    pl.add_argument("--memory", metavar="SIZE", help="memory per GPU to fit in, e.g. 40GiB (default: the GPU's)")
+    pl.add_argument("--global-batch", type=_positive_int, metavar="G", help="samples per optimizer step, reached by micro-batch x accumulation x data-parallel GPUs (default: the largest micro-batch that fits)")
+    pl.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but optimizer: a leaner optimizer changes the training)")
+    pl.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
+    pl.add_argument("--emit", metavar="FILE.py", help="write a runnable file that applies the best configuration (optimizer, autocast, accumulation, checkpointing)")
+    pl.add_argument("--verify", action="store_true", help="with --target cpu: apply the best configuration to the real model and measure one real step")
     sub.add_parser("zoo", help="list the zoo's models with their parameters and default inputs")
     return parser
 
@@ -496,11 +510,39 @@ def _zoo(_args: argparse.Namespace, say: Callable[[str], None]) -> str:
     return table + "\n"
 
 
+def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    """``fxmem plan``: the levers searched (fxmem/planner/search.py), the table, and ``--emit`` / ``--verify``."""
+    from fxmem.planner.search import plan, verify
+    from fxmem.planner.show import emit_plan, plan_table
+
+    memory = parse_size(args.memory, "--memory") if args.memory else None
+    levers = [lever.strip() for lever in args.allow.split(",") if lever.strip()]
+    if args.verify and args.target != "cpu":
+        raise InputSpecError("plan --verify measures the plan on this machine's CPU: give --target cpu (and --memory).")
+    spec = _load(args, say)
+    found = plan(
+        spec.model, spec.inputs, gpu=args.gpu, target=args.target, gpus=args.gpus, memory=memory, global_batch=args.global_batch,
+        allow=levers, loss=spec.loss, optimizer=get_optimizer(args.optimizer).name, name=args.spec, seq_len=args.seq_len, progress=say,
+    )  # fmt: skip
+    text = plan_table(found)
+    if args.emit and found.best is not None:
+        Path(args.emit).write_text(emit_plan(found))
+        text += f"Wrote {args.emit}: the best configuration as code.\n"
+    if args.verify and found.best is not None:
+        say(f"running the best configuration for real on the CPU at micro-batch {found.best.micro_batch}")
+        v = verify(found.best, spec.model, spec.inputs, loss=spec.loss, seq_len=args.seq_len)
+        chosen = found.best.config.checkpoint
+        saved = "" if v.measured_saved is None or chosen is None else f"; saved for backward {v.measured_saved} B measured, {chosen.saved_at_batch} B planned"
+        text += f"Verified: peak {v.measured_peak} B measured, {found.best.peak} B predicted ({100 * v.peak_error:+.2f}%){saved}.\n"
+    return text
+
+
 _COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]] = {
     "analyze": _analyze,
     "measure": _measure,
     "timeline": _timeline,
     "zoo": _zoo,
+    "plan": _plan,
 }
 
 
@@ -548,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     if args.command is None:
-        return _error("name a command: analyze, measure, timeline or zoo; see 'fxmem --help'.")
+        return _error("name a command: analyze, measure, timeline, plan or zoo; see 'fxmem --help'.")
     try:
         text = _run(args)
     except FxmemError as e:

@@ -1,0 +1,405 @@
+"""The planner's search: which levers make a training step fit the GPU, and which fitting configuration
+trains fastest.
+
+Each configuration of the slow levers (the precision recipe, the optimizer's implementation, the
+optimizer where allowed, FSDP2's and tensor parallel's degrees on several GPUs, activation
+checkpointing) is one ``analyze()`` with B symbolic; the fast lever, the micro-batch and the gradient
+accumulation that reach the global batch, is read off its exact memory at every B. So every memory
+figure here is fxmem's simulated step, not a rule of thumb.
+
+Note [Ranking by throughput]
+    Configurations that fit are ranked by estimated samples per second over all GPUs: the global
+    batch divided by the time of one optimizer step, ``accumulation`` micro-steps each timed by the
+    roofline bound (fxmem/cost/roofline.py) of the simulated step at the micro-batch, recomputed
+    forward ops of a checkpointed model included since they are ops of that step. The bound is a
+    lower bound, so the ranking says which configuration does the least work per sample at the best
+    rates the GPU could give: a larger micro-batch amortizes the optimizer step and the weight reads,
+    bf16 runs on faster tensor cores, recomputation costs its FLOPs. It ignores communication time
+    (the GPUs' links are not modelled), so with several GPUs it favours no configuration for
+    exchanging less. Ties keep the order of the levers' safer settings (fp32 before amp before mixed).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from fxmem.errors import FxmemError, InputSpecError
+from fxmem.inputs import InputSpecs
+from fxmem.parallel import default_tp_plan
+from fxmem.planner.checkpoint import CheckpointPlan, plan_checkpointing
+from fxmem.planner.emit import compile_plan
+from fxmem.report import Report
+from fxmem.step.sharding import fsdp_units
+from fxmem.step.training import DEFAULT_GPU
+
+__all__ = ["DEFAULT_LEVERS", "LEVERS", "Candidate", "Config", "Plan", "Verification", "plan", "verify"]
+
+LEVERS = ("batch", "precision", "optimizer-impl", "checkpoint", "shard", "optimizer")
+"""What the planner may change (``--allow``); every one but a leaner optimizer by default."""
+DEFAULT_LEVERS = LEVERS[:-1]
+_PRECISIONS = (("fp32", None), ("amp", "bf16"))
+"""(recipe, autocast dtype) in the order of their safety (Note [Ranking by throughput]): what plain
+torch runs. Under FSDP2 its MixedPrecisionPolicy too (``_ENGINE_MIXED``); DeepSpeed's and Megatron's
+bf16 weights with an fp32 master copy have no torch.optim form, so the planner does not propose them."""
+_ENGINE_MIXED = ("mixed", None)
+"""FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (fxmem/parallel)."""
+_LEANER = {"adamw": ("adafactor", "adam8bit"), "adam": ("adafactor", "adam8bit")}
+"""Leaner optimizers for each: Adafactor's factored second moment, 8-bit Adam's byte-wide moments."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One setting of the slow levers."""
+
+    precision: str = "fp32"
+    amp: str | None = None
+    optimizer: str = "adamw"
+    optimizer_impl: str | None = None
+    fsdp: int = 1
+    units: tuple[str, ...] = ()
+    """The modules FSDP2 wraps before the root (each repeated block, its default)."""
+    tp: int = 1
+    tp_plan: tuple[tuple[str, str], ...] = ()
+    """Tensor parallel's plan (the model's own)."""
+    data_parallel: int = 1
+    """Replicas that split the global batch (FSDP2's ranks, or plain data parallel's GPUs)."""
+    checkpoint: CheckpointPlan | None = None
+
+    def describe(self) -> str:
+        precision = "bf16 MixedPrecisionPolicy" if self.precision == "mixed" and self.fsdp > 1 else self.precision
+        parts = [precision + (f" ({self.amp} autocast)" if self.amp else ""), self.optimizer]
+        parts += [f"{self.optimizer_impl}"] if self.optimizer_impl else []
+        if self.fsdp > 1 or self.tp > 1:
+            parts.append(
+                " x ".join(p for p in (f"FSDP2 {self.fsdp}" if self.fsdp > 1 else "", f"TP {self.tp}" if self.tp > 1 else "") if p)
+            )
+        elif self.data_parallel > 1:
+            parts.append(f"data parallel {self.data_parallel}")
+        if self.checkpoint is not None:
+            kept = sum(1 for b in self.checkpoint.blocks if b.checkpointed)
+            parts.append(f"checkpointing {kept} of {len(self.checkpoint.blocks)} blocks")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A configuration at its micro-batch: what one GPU holds, and how fast the job trains."""
+
+    config: Config
+    micro_batch: int
+    accumulation: int
+    total: int
+    """The GPU's total at the micro-batch (the cuda target's device total: allocator, context, libraries)."""
+    peak: int
+    """The step's peak of live tensors."""
+    recompute_flops: int
+    step_seconds: float
+    """Roofline lower bound of one micro-step."""
+    state: int = 0
+    """One GPU's model state (weights, gradients, optimizer state; a rank's share under the engines)."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.config.data_parallel
+
+    @property
+    def samples_per_second(self) -> float:
+        """Note [Ranking by throughput]."""
+        return self.micro_batch * self.config.data_parallel / self.step_seconds if self.step_seconds else 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The fitting configurations, fastest first; where none fits, the closest and what it lacks."""
+
+    model: str
+    gpu: str
+    target: str
+    gpus: int
+    memory: int
+    global_batch: int | None
+    fitting: tuple[Candidate, ...]
+    closest: Candidate | None
+    """Where nothing fits: the configuration with the smallest total at micro-batch 1."""
+    skipped: tuple[str, ...] = ()
+    """Configurations that could not be evaluated, each with the reason."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.gpus} x {self.gpu}" if self.target == "cuda" else "this machine's CPU"
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.fitting[0] if self.fitting else None
+
+    def verdict(self) -> str:
+        """One paragraph: what wins and why, or how far the closest falls short."""
+        from fxmem.output.render import format_bytes
+
+        if self.best is not None:
+            b = self.best
+            why = f"{b.samples_per_second:,.0f} samples/s estimated (roofline), {format_bytes(b.total)} of {format_bytes(self.memory)}"
+            if len(self.fitting) > 1:
+                runner = self.fitting[1]
+                why += f"; next: {runner.config.describe()} at micro-batch {runner.micro_batch}, {runner.samples_per_second:,.0f} samples/s"
+            return f"Best: {b.config.describe()} at micro-batch {b.micro_batch} x {b.accumulation} accumulation: {why}."
+        if self.closest is None:
+            return "Nothing could be evaluated: " + "; ".join(self.skipped)
+        c = self.closest
+        rest = c.total - c.peak
+        parts = f"state {format_bytes(c.state)}, the rest of the step's peak {format_bytes(c.peak - c.state)}"
+        parts += f", the device's fixed costs and rounding {format_bytes(rest)}" if rest > 0 else ""
+        advice = "allow more levers (--allow)"
+        if c.state > self.memory // 2:
+            advice = f"shard the state over more GPUs (it alone needs about {math.ceil(c.state / (self.memory // 2))} at half of each)"
+        return (
+            f"Nothing fits {self.where} ({format_bytes(self.memory)} each). Closest: {c.config.describe()} at micro-batch "
+            f"1, {format_bytes(c.total)} ({parts}): {format_bytes(c.total - self.memory)} short; {advice}."
+        )
+
+
+def plan(
+    model: nn.Module,
+    inputs: InputSpecs,
+    *,
+    gpu: str = DEFAULT_GPU,
+    target: str = "cuda",
+    gpus: int = 1,
+    memory: int | None = None,
+    global_batch: int | None = None,
+    allow: Iterable[str] = DEFAULT_LEVERS,
+    loss: str = "sum",
+    optimizer: str = "adamw",
+    name: str | None = None,
+    seq_len: int | None = None,
+    max_micro_batch: int = 4096,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Search the levers ``allow`` for configurations whose step fits ``memory`` (default the GPU's)
+    on each of ``gpus`` GPUs, at ``global_batch`` samples per optimizer step (default: the largest
+    micro-batch that fits, no accumulation); rank them (Note [Ranking by throughput]). ``target``
+    "cpu" plans for this machine's CPU (``memory`` then required), where ``verify`` checks a plan for real.
+
+    >>> from models_zoo import gpt2_small
+    >>> spec = gpt2_small.build(test=True)
+    >>> p = plan(spec.model, spec.inputs, loss=spec.loss, memory=2 * 2**30, global_batch=8, allow=["batch"])
+    >>> p.best.micro_batch, p.best.accumulation   # the whole batch fits one 2 GiB step
+    (8, 1)
+    """
+    from fxmem.api import analyze  # the planner drives the whole pipeline
+
+    name = name or type(model).__name__
+    levers = _levers(allow)
+    _check_counts(gpus, global_batch, max_micro_batch)
+    if target != "cuda" and memory is None:
+        raise InputSpecError(f"model '{name}': planning for --target {target} needs the memory to fit in (--memory SIZE).")
+    say = progress or (lambda _: None)
+    fitting: list[Candidate] = []
+    floors: list[Candidate] = []
+    skipped: list[str] = []
+    budget = memory
+    for config in _configs(model, levers, gpus, optimizer):
+        say(f"simulating {config.describe()}")
+        try:
+            report = analyze(
+                model, inputs, loss=loss, optimizer=config.optimizer, batch=1, gpu=gpu, target=target, amp=config.amp, precision=config.precision,
+                optimizer_impl=config.optimizer_impl, fsdp=config.fsdp, tp=config.tp, name=name, seq_len=seq_len,
+                fsdp_units=config.units if config.fsdp > 1 else None, tp_plan=dict(config.tp_plan) if config.tp > 1 else None,
+            )  # fmt: skip
+        except FxmemError as e:
+            skipped.append(f"{config.describe()}: {e}")
+            continue
+        budget = budget if budget is not None else report.device_memory or 0
+        best, floor = _fit(report, config, budget, global_batch, max_micro_batch)
+        floors.append(floor)
+        if best is None and "checkpoint" in levers and floor.state < budget:  # checkpointing cannot shrink the state
+            best, checkpointed = _with_checkpointing(
+                model, inputs, report, config, budget, loss, name, seq_len, global_batch, max_micro_batch
+            )
+            floors += [checkpointed] if checkpointed is not None else []
+        if best is not None:
+            fitting.append(best)
+    fitting.sort(key=lambda c: -c.samples_per_second)
+    closest = None if fitting or not floors else min(floors, key=lambda c: c.total)
+    return Plan(name, gpu, target, gpus, budget or 0, global_batch, tuple(fitting), closest, tuple(skipped))
+
+
+def _levers(allow: Iterable[str]) -> frozenset[str]:
+    chosen = frozenset(allow)
+    unknown = sorted(chosen - set(LEVERS))
+    if unknown:
+        raise InputSpecError(f"--allow '{unknown[0]}' is not a lever; choose among {', '.join(LEVERS)}.")
+    return chosen
+
+
+def _check_counts(gpus: int, global_batch: int | None, max_micro_batch: int) -> None:
+    for option, value in (("--gpus", gpus), ("--global-batch", global_batch), ("max_micro_batch", max_micro_batch)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InputSpecError(f"{option} must be a whole number, 1 or more; got {value!r}.")
+    if global_batch is not None and global_batch % 1:
+        raise InputSpecError(f"--global-batch must be whole; got {global_batch!r}.")
+
+
+def _configs(model: nn.Module, levers: frozenset[str], gpus: int, optimizer: str) -> Iterator[Config]:
+    """The slow levers' settings to simulate, safest first."""
+    optimizers = [optimizer, *(_LEANER.get(optimizer, ()) if "optimizer" in levers else ())]
+    for parallel in _parallel_layouts(model, levers, gpus):
+        precisions = (*_PRECISIONS, *((_ENGINE_MIXED,) if parallel.fsdp > 1 else ())) if "precision" in levers else _PRECISIONS[:1]
+        for precision, amp in precisions:
+            for opt in optimizers:
+                for impl in _impls(levers, parallel):
+                    yield replace(parallel, precision=precision, amp=amp, optimizer=opt, optimizer_impl=impl)
+
+
+def _parallel_layouts(model: nn.Module, levers: frozenset[str], gpus: int) -> Iterator[Config]:
+    """On one GPU, one layout; on several, plain data parallel, FSDP2 over all, and FSDP2 x tensor
+    parallel for each degree that divides the GPUs where the model has a plan."""
+    if gpus == 1:
+        yield Config()
+        return
+    yield Config(data_parallel=gpus)
+    if "shard" not in levers:
+        return
+    units = fsdp_units(model)
+    yield Config(fsdp=gpus, units=units, data_parallel=gpus)
+    tp_plan = default_tp_plan(model)
+    if tp_plan is None:
+        return
+    for tp in (2, 4, 8):
+        if tp < gpus and gpus % tp == 0:  # FSDP2 over the rest: every parameter a DTensor, so any optimizer implementation
+            yield Config(fsdp=gpus // tp, units=units, tp=tp, tp_plan=tuple(tp_plan.items()), data_parallel=gpus // tp)
+
+
+def _impls(levers: frozenset[str], parallel: Config) -> tuple[str | None, ...]:
+    """torch's default, and the fused implementation where the lever is allowed (it keeps no
+    per-parameter temporaries, which matters where the peak is the optimizer's)."""
+    return (None, "fused") if "optimizer-impl" in levers else (None,)
+
+
+def _fit(report: Report, config: Config, budget: int, global_batch: int | None, cap: int) -> tuple[Candidate | None, Candidate]:
+    """The configuration's best micro-batch under ``budget`` (None if B=1 does not fit), and its B=1 candidate."""
+    floor = _candidate(report, config, 1, _accumulation(global_batch, config, 1))
+    largest = report.max_batch(budget)
+    if largest is None:
+        if report.step_bytes(1) > budget:
+            return None, floor
+        largest = cap  # nothing grows with B: any batch fits
+    per_replica = None if global_batch is None else math.ceil(global_batch / config.data_parallel)
+    micro = min(largest, cap, per_replica or cap)
+    if per_replica is not None:  # a micro-batch that divides the replica's share, so every step is whole
+        micro = max(d for d in range(1, micro + 1) if per_replica % d == 0)
+    return _candidate(report, config, micro, _accumulation(global_batch, config, micro)), floor
+
+
+def _accumulation(global_batch: int | None, config: Config, micro: int) -> int:
+    return 1 if global_batch is None else max(1, math.ceil(global_batch / (config.data_parallel * micro)))
+
+
+def _candidate(report: Report, config: Config, micro: int, accumulation: int) -> Candidate:
+    recompute = config.checkpoint.recompute_flops if config.checkpoint is not None else 0
+    peak = report.peak(micro)
+    return Candidate(
+        config, micro, accumulation, report.step_bytes(micro), peak.bytes, recompute, report.step_time(micro).seconds, peak.state
+    )
+
+
+def _with_checkpointing(
+    model: nn.Module,
+    inputs: InputSpecs,
+    report: Report,
+    config: Config,
+    budget: int,
+    loss: str,
+    name: str,
+    seq_len: int | None,
+    global_batch: int | None,
+    cap: int,
+) -> tuple[Candidate | None, Candidate | None]:
+    """The same configuration with activation checkpointing chosen (fxmem/planner/checkpoint.py) so that
+    micro-batch 1 fits. The saved activations' budget starts as what the step's total exceeds the
+    budget by, taken off its saved activations; the checkpointed model is simulated again (its whole
+    step, recomputation included), and where its total still exceeds the budget (the peak moved to
+    where recomputation runs) the saved budget shrinks by that much, a few times at most."""
+    blocks = list(fsdp_units(model))  # each repeated block (else each top-level child), as FSDP2's units
+    if not blocks or config.fsdp > 1 or config.tp > 1:  # checkpointing under the engines: not yet
+        return None, None
+    room, floor = report.activation_bytes(1) - (report.step_bytes(1) - budget), None
+    for _ in range(_ATTEMPTS):
+        if room <= 0:
+            break
+        try:
+            chosen = plan_checkpointing(model, inputs, blocks, budget=room, batch=1, loss=loss, name=name, seq_len=seq_len)
+        except InputSpecError:  # below what checkpointing every block keeps
+            break
+        again = _analyze_like(compile_plan(chosen)(copy.deepcopy(model)), inputs, report, config, loss, name, seq_len)
+        best, floor = _fit(again, replace(config, checkpoint=chosen), budget, global_batch, cap)
+        if best is not None:
+            return best, floor
+        room = chosen.saved_at_batch - (again.step_bytes(1) - budget)
+    return None, floor
+
+
+_ATTEMPTS = 4
+"""How many times the saved budget is shrunk before checkpointing is given up for a configuration."""
+
+
+def _analyze_like(
+    model: nn.Module, inputs: InputSpecs, report: Report, config: Config, loss: str, name: str, seq_len: int | None
+) -> Report:
+    """``model`` simulated in ``report``'s setup with ``config``'s levers."""
+    from fxmem.api import analyze
+
+    setup = report.setup
+    return analyze(
+        model, inputs, loss=loss, optimizer=config.optimizer, batch=1, gpu=setup.gpu if setup else DEFAULT_GPU,
+        target=setup.target if setup else "cuda", amp=config.amp, precision=config.precision, optimizer_impl=config.optimizer_impl,
+        name=name, seq_len=seq_len,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Verification:
+    """A candidate applied to the real model and one real step measured on the CPU at its micro-batch."""
+
+    candidate: Candidate
+    measured_peak: int
+    """The real step's peak (torch.profiler, fxmem.measure.measure_peak), steady step."""
+    measured_saved: int | None
+    """The real bytes saved for backward where the candidate checkpoints (fxmem/planner/verify.py), else None."""
+
+    @property
+    def peak_error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.candidate.peak - self.measured_peak) / self.measured_peak if self.measured_peak else 0.0
+
+
+def verify(candidate: Candidate, model: nn.Module, inputs: InputSpecs, *, loss: str = "sum", seq_len: int | None = None) -> Verification:
+    """Apply ``candidate`` to the real model (its checkpointing through the emitted code, its
+    precision through autocast, its optimizer and implementation) and measure one real steady step
+    on this machine's CPU: the proof a plan made with ``target="cpu"`` is held to. Sharded candidates
+    are measured by ``fxmem measure --peak --fsdp/--tp`` instead (fxmem/measure_ranks.py)."""
+    from fxmem.measure import materialize, measure_peak
+    from fxmem.planner.verify import measure_plan
+
+    config = candidate.config
+    if config.fsdp > 1 or config.tp > 1 or config.data_parallel > 1 or config.precision not in ("fp32", "amp"):
+        raise InputSpecError(
+            f"verify runs one process with the model's own weights: {config.describe()} is measured by 'fxmem measure "
+            "--peak' with its own options (--fsdp, --tp), or plan with fewer levers (--allow batch,checkpoint,optimizer-impl)."
+        )
+    real = materialize(model)
+    if config.checkpoint is not None:
+        real = compile_plan(config.checkpoint)(copy.deepcopy(real))
+    measured = measure_peak(
+        real, inputs, candidate.micro_batch, loss=loss, optimizer=config.optimizer, seq_len=seq_len, amp=config.amp,
+        optimizer_impl=config.optimizer_impl,
+    )  # fmt: skip
+    saved = None
+    if config.checkpoint is not None:
+        saved = measure_plan(model, inputs, config.checkpoint, loss=loss, seq_len=seq_len).saved
+    return Verification(candidate, measured.bytes, saved)

@@ -1,0 +1,128 @@
+"""The planner (fxmem/planner/search.py, show.py): the levers it pulls, checked against fxmem's own
+exact memory per batch, and a chosen plan applied to the real model and measured on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxmem
+from fxmem.cli import main
+from fxmem.errors import InputSpecError
+from fxmem.planner.search import plan, verify
+from fxmem.planner.show import emit_plan, plan_table
+from models_zoo.gpt2_small import GPT, build
+
+LOSS = "lm_cross_entropy"
+
+
+def _gpt() -> tuple[torch.nn.Module, list[str]]:
+    spec = build(test=True)
+    return spec.model, list(spec.inputs)
+
+
+def test_micro_batch_and_accumulation_reach_the_global_batch() -> None:
+    """With room for 24 samples of the GPT test config on the CPU, a global batch of 64 is reached as
+    16 x 4: 16 is the largest divisor of 64 that fits (24 does not divide it, 32 does not fit)."""
+    model, inputs = _gpt()
+    report = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu")
+    memory = report.step_bytes(24)  # B=24 fits exactly; 32 does not (memory grows with B)
+    assert report.step_bytes(32) > memory
+    found = plan(model, inputs, loss=LOSS, target="cpu", memory=memory, global_batch=64, allow=["batch"])
+    best = found.best
+    assert best is not None and (best.micro_batch, best.accumulation, best.global_batch) == (16, 4, 64)
+    assert best.total == report.step_bytes(16) <= memory
+
+
+def test_fitting_configurations_are_ranked_by_estimated_throughput() -> None:
+    """Each precision and optimizer implementation is its own simulated step; the table lists them
+    fastest first, and bf16 autocast keeps fewer bytes of activations than fp32 at the same batch."""
+    model, inputs = _gpt()
+    found = plan(model, inputs, loss=LOSS, memory=2 * 2**30, global_batch=64, allow=["batch", "precision", "optimizer-impl"])
+    speeds = [c.samples_per_second for c in found.fitting]
+    assert len(found.fitting) == 4 and speeds == sorted(speeds, reverse=True)
+    by_name = {c.config.describe(): c for c in found.fitting}
+    assert by_name["amp (bf16 autocast), adamw"].peak < by_name["fp32, adamw"].peak
+    table = plan_table(found)
+    assert table.index(found.fitting[0].config.describe()) < table.index(found.fitting[-1].config.describe())
+    assert "Best: " in table
+
+
+@pytest.fixture(scope="module")
+def long_gpt() -> tuple[torch.nn.Module, list[str], fxmem.Report]:
+    """A GPT whose activations outweigh its state at B=1 (256 tokens, d=64, 4 blocks)."""
+    torch.manual_seed(0)
+    model = GPT(101, 256, 64, 4, 4, dropout=0.0)
+    inputs = ["B,256:int64"]
+    return model, inputs, fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu")
+
+
+def test_checkpointing_makes_the_step_fit_and_the_real_step_agrees(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
+    """Two thirds of B=1's saved activations fit beside the rest of its step: only checkpointing makes
+    micro-batch 1 fit. The chosen plan, applied to the real model through the emitted code and run
+    on this CPU, peaks where the simulation said and saves what the plan said, to the byte."""
+    model, inputs, report = long_gpt
+    memory = report.step_bytes(1) - report.activation_bytes(1) // 3
+    found = plan(model, inputs, loss=LOSS, target="cpu", memory=memory, allow=["batch", "checkpoint"])
+    best = found.best
+    assert best is not None and best.config.checkpoint is not None and best.recompute_flops > 0
+    assert best.total <= memory
+    proof = verify(best, model, inputs, loss=LOSS)
+    assert proof.measured_peak == best.peak, (proof.measured_peak, best.peak)
+    assert proof.measured_saved == best.config.checkpoint.saved_at_batch
+
+
+def test_nothing_fits_names_the_closest_and_its_shortfall(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
+    model, inputs, report = long_gpt
+    memory = report.peak(1).state  # not even the state beside anything else
+    found = plan(model, inputs, loss=LOSS, target="cpu", memory=memory, allow=["batch"])
+    assert found.best is None and found.closest is not None and found.closest.micro_batch == 1
+    short = found.closest.total - memory  # the closest's total at B=1 over the memory
+    from fxmem.output.render import format_bytes
+
+    assert f"{format_bytes(short)} short" in found.verdict() and "shard the state over more GPUs" in found.verdict()
+
+
+def test_several_gpus_try_fsdp2_and_fsdp2_by_tensor_parallel() -> None:
+    """On 4 GPUs the zoo GPT (which carries a tensor-parallel plan) is tried as plain data parallel,
+    FSDP2 over 4, and FSDP2 over 2 x tensor parallel over 2; FSDP2 holds a quarter of the state."""
+    model, inputs = _gpt()
+    found = plan(model, inputs, loss=LOSS, gpus=4, memory=2 * 2**30, global_batch=64, allow=["batch", "shard"])
+    layouts = {(c.config.fsdp, c.config.tp, c.config.data_parallel): c for c in found.fitting}
+    assert set(layouts) == {(1, 1, 4), (4, 1, 4), (2, 2, 2)}
+    assert layouts[(4, 1, 4)].state < layouts[(1, 1, 4)].state
+    assert all(c.global_batch == 64 for c in found.fitting)
+    code = emit_plan(found, layouts[(2, 2, 2)])
+    assert "parallelize_module(model, mesh['tp']" in code and "fully_shard(model, mesh=mesh['dp']" in code
+    compile(code, "plan.py", "exec")
+
+
+def test_cli_plan_emits_runnable_code_and_verifies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``fxmem plan --emit`` writes a file that, run on the real model, applies the plan and takes a
+    training step; ``--verify`` measures the best configuration on the CPU."""
+    emitted = tmp_path / "plan.py"
+    args = ["plan", "zoo:gpt2-small:test", "--target", "cpu", "--memory", "4MiB", "--global-batch", "8", "--emit", str(emitted), "--verify"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "Verified: peak" in out and "(+0.00%)" in out
+    code = runpy.run_path(str(emitted))
+    model, _ = _gpt()
+    model = code["apply_plan"](model)
+    optimizer = code["make_optimizer"](model)
+    batch = [(torch.randint(0, 101, (code["MICRO_BATCH"], 16)), torch.randint(0, 101, (code["MICRO_BATCH"], 16)))] * code["ACCUMULATION"]
+    loss_fn = lambda logits, target: torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    with contextlib.nullcontext():
+        code["train_step"](model, optimizer, batch, loss_fn)
+
+
+def test_bad_requests_are_refused() -> None:
+    model, inputs = _gpt()
+    with pytest.raises(InputSpecError, match="--allow 'wings' is not a lever"):
+        plan(model, inputs, allow=["wings"])
+    with pytest.raises(InputSpecError, match=r"needs the memory to fit in \(--memory SIZE\)"):
+        plan(model, inputs, target="cpu")
+    assert main(["plan", "zoo:gpt2-small:test", "--verify"]) == 2
