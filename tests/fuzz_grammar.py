@@ -1414,25 +1414,68 @@ PEAK_SLACK = 64
 #     storage, linear's bias added in place, the CPU flash attention's blocks and its copy of the
 #     output's gradient, layer norm's contiguous copies and per-thread sums, exact GELU's oneDNN
 #     copies, pooling/padding/upsampling backward copies, batched matmul's per-slice operand copies,
-#     oneDNN's LSTM forward (fxmem/rules/ops.py, fxmem/rules/linear.py), and loss gradients in their
-#     eager layout (fxmem/engine/dispatch.py). It also found where the simulated step differed from
+#     oneDNN's LSTM forward (fxmem/rules/ops.py, fxmem/rules/linear.py), group norm's per-channel
+#     sums (fxmem/rules/cpu_norms.py), and loss gradients in their eager layout
+#     (fxmem/engine/dispatch.py). It also found where the simulated step differed from
 #     eager's: Python locals (Note [Python locals keep values alive]), gradients that autograd sums
 #     in place (Note [Gradients summed in place]), tensors fx computes once while tracing (Note
 #     [Tensors made while tracing]) and tuple unpacking of a tensor (Note [Unpacking a tensor]).
 #     Attention (F.scaled_dot_product_attention, nn.MultiheadAttention) and adaptive max pooling, once
 #     left out, are checked like every layer. Convolutions on AVX2 CPUs (8-channel blocks) have their
-#     own rules now (Note [CPU oneDNN convolution buffers on AVX2]); open, and left out of the peak
-#     check on such a CPU: transposed, grouped (depthwise: ConvNeXt's) and dilated convolutions, which
-#     those rules do not describe (a dilated Conv2d was 22% low, a ConvTranspose2d 61%), and every
-#     convolution on other CPUs. CI holds 100 derandomized models to the peak (tests/test_fuzz.py);
-#     ``python benchmarks/fuzz.py --examples 1000 --peak`` is the longer run.
+#     own rules now (Note [CPU oneDNN convolution buffers on AVX2]), grouped ones too where oneDNN
+#     runs blocked kernels (depthwise, ConvNeXt's 7x7 included, and groups of whole 8-channel blocks
+#     at stride 1), dilated ones at stride 1 where the direct kernels take them (Note [CPU oneDNN
+#     grouped convolution buffers on AVX2]) and 1-D and 2-D transposed ones (Note [CPU oneDNN
+#     transposed convolution buffers on AVX2]). Which kernels run depends on the shapes a
+#     convolution meets, so a model with a grouped, dilated or transposed convolution joins the peak
+#     check on such a CPU only where ``onednn_avx2_convolution`` takes each convolution its forward
+#     runs at the checked batch (``_avx2_convs_described``). Open, and left out: the shapes those
+#     rules decline (GEMM forwards, channel multipliers, 3-D depthwise and transposed, strided
+#     dilation, grouped or dilated transposed convolutions, strided transposed ones with a bias and
+#     overlapping taps; a dilated Conv2d was 22% low, a ConvTranspose2d 61%), and every convolution
+#     on other CPUs. CI holds 100 derandomized models to the peak (tests/test_fuzz.py); ``python
+#     benchmarks/fuzz.py --examples 1000 --peak`` is the longer run.
+
+
+def _avx2_convs_described(case: FuzzCase) -> bool:
+    """Whether the AVX2 rules take every convolution the case's forward runs at its largest batch:
+    plain ones (not transposed, grouped or dilated) as before, the others where
+    ``onednn_avx2_convolution`` takes their shapes (seen on a real forward of a copy, so that no
+    running statistics move)."""
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fxmem.inputs import make_input, parse_inputs
+    from fxmem.rules.onednn_conv_avx2 import onednn_avx2_convolution
+
+    described: list[bool] = []
+
+    class Convolutions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution.default:
+                inp, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args
+                plain = not transposed and groups == 1 and all(d == 1 for d in dilation)
+                conv_args = (stride, padding, dilation, transposed, output_padding, groups)
+                described.append(plain or onednn_avx2_convolution(inp, weight, *conv_args, bias=bias is not None))
+            return func(*args, **(kwargs or {}))
+
+    with torch.random.fork_rng(), torch.no_grad():  # the generator's random state untouched
+        specs = parse_inputs(case.inputs)
+        tensors = [make_input(spec, case.batches[-1]) for spec in specs]
+        args = [t for spec, t in zip(specs, tensors) if spec.name is None]
+        kwargs = {spec.name: t for spec, t in zip(specs, tensors) if spec.name is not None}
+        model = copy.deepcopy(materialize(case.model)).train()
+        with Convolutions():
+            model(*args, **kwargs)
+    return all(described)
 
 
 def peak_checkable(case: FuzzCase) -> bool:
     """Whether fxmem claims the CPU step's peak for this case: float32 models on the CPU with some
     parameter to train, and convolutions only where oneDNN's rules describe them: any on an AVX512
-    CPU, plain ones (not transposed, not grouped, not dilated) on an AVX2 CPU (Note [Peaks the fuzzer
-    does not hold yet])."""
+    CPU; on an AVX2 CPU plain ones, and grouped, dilated or transposed ones whose shapes the AVX2
+    rules take (Note [Peaks the fuzzer does not hold yet])."""
     if case.dtype != torch.float32 or case.device != "cpu":
         return False
     if not any(p.requires_grad for p in case.model.parameters()):
@@ -1440,7 +1483,9 @@ def peak_checkable(case: FuzzCase) -> bool:
     convs = [m for m in case.model.modules() if isinstance(m, nn.modules.conv._ConvNd)]
     isa = torch.backends.cpu.get_cpu_capability()
     if isa == "AVX2":
-        return all(not m.transposed and m.groups == 1 and all(d == 1 for d in m.dilation) for m in convs)
+        if all(not m.transposed and m.groups == 1 and all(d == 1 for d in m.dilation) for m in convs):
+            return True
+        return _avx2_convs_described(case)
     return not convs or isa == "AVX512"
 
 

@@ -853,4 +853,4 @@ register_workspace_rule(("aten.convolution", "cuda"))(cudnn_convolution_workspac
 register_workspace_rule(("aten.convolution_backward", "cuda"))(cudnn_convolution_backward_workspace)
 
 
-from fxmem.rules import cuda_norms  # noqa: E402, F401  (registers the cuda target's normalization rules)
+from fxmem.rules import cpu_norms, cuda_norms  # noqa: E402, F401  (register the cpu's and the cuda target's normalization rules)
