@@ -19,7 +19,7 @@ from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.tracing import trace_model
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
-from fxmem.parallel import ParallelPlan, one_rank, tp_layers
+from fxmem.parallel import ParallelPlan, default_tp_plan, one_rank, tp_layers
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
@@ -64,6 +64,7 @@ def analyze(
     fsdp_units: Iterable[str] | None = None,
     tp: int = 1,
     tp_plan: Mapping[str, str] | None = None,
+    sp: bool = False,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -99,6 +100,8 @@ def analyze(
     ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"; default the model's own
     ``_tp_plan``, as HF models and the zoo's transformers carry). With both, the step is one rank's of
     a 2-D mesh of ``fsdp x tp`` ranks (Note [Tensor parallel plans] in fxmem/parallel/tensor.py).
+    ``sp`` (with ``tp``) takes the model's sequence-parallel plan instead: the norms and the residual
+    stream split along the sequence between the tensor-parallel layers (Note [Sequence parallel]).
     """
     name = name or type(model).__name__
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
@@ -114,7 +117,7 @@ def analyze(
     say("tracing the model")
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    plan = _parallel_plan(model, setup, fsdp_units, tp_plan, peak, name)
+    plan = _parallel_plan(model, setup, fsdp_units, _sequence_plan(model, tp, tp_plan, sp, name), peak, name)
     shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan)
     say("counting model state")
@@ -467,6 +470,19 @@ def _parallel_plan(
     chosen = _fsdp_units(model, units, name) if setup.fsdp else ()
     layers = tp_layers(model, setup.tp, tp_plan, name) if setup.tp > 1 else ()
     return ParallelPlan(setup.world_size if setup.fsdp else 1, chosen, mixed=setup.fsdp_mixed, tp=setup.tp, tp_layers=layers)
+
+
+def _sequence_plan(model: nn.Module, tp: int, tp_plan: Mapping[str, str] | None, sp: object, name: str) -> Mapping[str, str] | None:
+    """The tensor-parallel plan: ``tp_plan``, or with ``sp`` the model's sequence-parallel one."""
+    if not isinstance(sp, bool):
+        raise InputSpecError(f"sp must be True or False; got {sp!r}.")
+    if not sp:
+        return tp_plan
+    if tp == 1:
+        raise InputSpecError("sp (--sp) splits the sequence among tensor-parallel ranks: pass tp=T (--tp T) with T > 1 too.")
+    if tp_plan is not None:
+        raise InputSpecError("sp (--sp) takes the model's own sequence-parallel plan; with tp_plan= (--tp-plan), write the sequence styles in it instead.")
+    return default_tp_plan(model, sequence_parallel=True, name=name)
 
 
 def _check_tp_optimizer(model: nn.Module, plan: ParallelPlan | None, impl: str, name: str) -> None:

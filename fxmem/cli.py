@@ -33,6 +33,7 @@ from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
 from fxmem.measure_ranks import measure_ranks
 from fxmem.output.render import FORMATS, MAX_ROWS, format_bytes, render, render_timeline
+from fxmem.parallel import default_tp_plan
 from fxmem.planner.search import DEFAULT_LEVERS, LEVERS
 from fxmem.report import Report
 from fxmem.results import ModelSpec, Peak
@@ -128,7 +129,8 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--fsdp", type=_positive_int, default=1, metavar="N", help="simulate one rank of FSDP2 over N ranks: fully_shard itself runs on a fake process group (each repeated block a unit, then the root); --batch is the rank's micro-batch. The same as --world-size N --shard fsdp")
     g.add_argument("--fsdp-unit", action="append", metavar="PATH", help="with --fsdp: a module fully_shard wraps as a unit (repeat for several; default each repeated block)")
     g.add_argument("--tp", type=_positive_int, default=1, metavar="T", help="simulate one rank of tensor parallel over T ranks: parallelize_module itself runs on a fake process group, with the model's own plan (a HF model's _tp_plan) or --tp-plan; with --fsdp N, one rank of an N x T mesh")
-    g.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: shard the Linear at PATH (* one path component, e.g. layers.*.mlp.up_proj) colwise or rowwise (also colwise_gather_output, embedding_rowwise); repeat for each; default the model's own plan")
+    g.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: give the module at PATH (* one path component, e.g. layers.*.mlp.up_proj) a style: colwise or rowwise (also colwise_gather_output, embedding_rowwise, and for sequence parallel sequence_parallel, sequence_parallel_gather_output, colwise_gather_input, rowwise_scatter_output, sequence_shard_input); repeat for each; default the model's own plan")
+    g.add_argument("--sp", action="store_true", help="with --tp: sequence parallel, the model's own plan for it (the norms and the residual stream split along the sequence between the tensor-parallel layers)")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
     g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
@@ -145,8 +147,15 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
-        "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan),
+        "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
     }  # fmt: skip
+
+
+def _measured_tp_plan(args: argparse.Namespace, spec: ModelSpec) -> Mapping[str, str] | None:
+    """The plan the real ranks apply: --tp-plan, or with --sp the model's sequence-parallel one."""
+    if args.sp and not args.tp_plan:
+        return default_tp_plan(spec.model, sequence_parallel=True, name=args.spec)
+    return _tp_plan(args.tp_plan)
 
 
 def _tp_plan(items: list[str] | None) -> dict[str, str] | None:
@@ -446,7 +455,7 @@ def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, pr
     units = report.fsdp_units
     say(f"running one training step for real on {args.fsdp * args.tp} CPU processes (torchrun, gloo) at B={args.batch} per rank")
     ranks = measure_ranks(
-        materialize(spec.model), spec.inputs, args.batch, fsdp=args.fsdp, units=units, tp=args.tp, tp_plan=_tp_plan(args.tp_plan), loss=spec.loss,
+        materialize(spec.model), spec.inputs, args.batch, fsdp=args.fsdp, units=units, tp=args.tp, tp_plan=_measured_tp_plan(args, spec), loss=spec.loss,
         optimizer=get_optimizer(args.optimizer).name, first_step=args.first_step, seq_len=report.seq_len,
         mixed=report.setup.fsdp_mixed,
     )  # fmt: skip

@@ -5,6 +5,8 @@ The ``GPT`` class here is also used by ``gpt_7b``; only the sizes differ.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ __all__ = ["GPT", "build"]
 class GPT(nn.Module):
     """Token + learned position embedding, ``layers`` pre-LN blocks, final LN, LM head."""
 
-    _tp_plan = {
+    _tp_plan: ClassVar[dict[str, str]] = {
         "blocks.*.attn.qkv": "colwise",
         "blocks.*.attn.proj": "rowwise",
         "blocks.*.mlp.0": "colwise",
@@ -31,6 +33,23 @@ class GPT(nn.Module):
     backward. The fused projection's rows are sliced as they lie; Megatron orders them by head
     (each head's q, k and v rows together) so that a slice holds whole heads, which changes no size.
     The embeddings and the tied LM head stay replicated."""
+
+    _sp_plan: ClassVar[dict[str, str]] = {
+        "drop": "sequence_shard_input",
+        "blocks.*.ln1": "sequence_parallel_gather_output",
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise_scatter_output",
+        "blocks.*.ln2": "sequence_parallel_gather_output",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise_scatter_output",
+        "ln_f": "sequence_parallel_gather_output",
+    }
+    """``_tp_plan`` with sequence parallel (Note [Sequence parallel] in fxmem/parallel/tensor.py):
+    between the sharded layers each rank holds S/T positions of the residual stream. The stream is
+    split at the embeddings' dropout, which then keeps S/T of its noise: the token and position
+    embeddings (the token one tied to the LM head) stay replicated, their sum whole on every rank.
+    The second layers reduce-scatter, the norms run on the rank's positions and all-gather their
+    output for the fused projection, the MLP and the tied LM head, whose logits stay whole."""
 
     def __init__(
         self,

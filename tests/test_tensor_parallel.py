@@ -12,11 +12,10 @@ from torch import nn
 import fxmem
 from fxmem.cli import main
 from fxmem.errors import InputSpecError
-from fxmem.measure_ranks import RankMeasurement, measure_ranks
+from fxmem.measure_ranks import measure_ranks
 from fxmem.parallel import resolve_tp_plan, tp_layers
-from fxmem.results import Phase
 from models_zoo.gpt2_small import GPT, build
-from tests.helpers import tiny_llama
+from tests.helpers import check_ranks, tiny_llama
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -92,32 +91,6 @@ def test_rank_holds_its_slices(simulated: fxmem.Report) -> None:
     assert share.optimizer.nbytes == 2 * (whole - halved) + 4 * len(list(model.parameters()))
 
 
-# Note [Collective outputs a real rank holds longer]
-#     A real gloo rank sometimes keeps a collective's output alive past its last use, and its profile
-#     sometimes never shows the free: the backend's work object holds the output and drops it later,
-#     on its own time. Measured 8 times on the GPT test config (B=4, four all-reduces of (B, S, D)
-#     fp32 in forward), the lowest rank's peak was the simulated one to the byte 6 times and two of
-#     those outputs above it twice, the highest rank up to three above; on the HF Llama test config
-#     (five all-reduces and the LM head's all-gather in forward) the lowest rank one all-reduce
-#     output above, the highest up to 22,912 B above. The simulated rank frees each output at its
-#     last use, as the program's own references say. The real peak is never below it, and never
-#     above it by more than every collective output of the forward held at once; saved activations
-#     and the starting state are exact on every rank. A rank measured on NCCL would differ in the
-#     same way: its work objects hold their tensors until the watchdog retires them.
-
-
-def _check_ranks(ranks: tuple[RankMeasurement, ...], report: fxmem.Report, batch: int, first_step: bool = False, spread: int = 0) -> None:
-    """Each rank's peak between the simulated one and that plus every forward collective's output
-    (Note [Collective outputs a real rank holds longer]); ``spread``: a rank holding fewer bytes of state."""
-    predicted = report.peak(batch, first_step=first_step).bytes
-    timeline = report.timeline(batch, first_step=first_step)
-    held = sum(e.nbytes.at(batch) for e in timeline.events if e.alloc and e.phase == Phase.FORWARD and e.op.startswith("_c10d_functional."))
-    assert held > 0
-    lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
-    assert lowest >= predicted - spread, (predicted, [m.peak for m in ranks])
-    assert highest <= predicted + held + spread, (predicted, held, [m.peak for m in ranks])
-
-
 @pytest.mark.parametrize("first_step", [False, True], ids=["steady", "first"])
 def test_tp_rank_matches_real_ranks(simulated: fxmem.Report, first_step: bool) -> None:
     model, inputs = _gpt()
@@ -126,7 +99,7 @@ def test_tp_rank_matches_real_ranks(simulated: fxmem.Report, first_step: bool) -
     baseline = sum(v.at(BATCH) for v in timeline.baseline.values())
     assert [m.saved for m in ranks] == [simulated.activation_bytes(BATCH)] * 2
     assert [m.baseline for m in ranks] == [baseline] * 2
-    _check_ranks(ranks, simulated, BATCH, first_step)
+    check_ranks(ranks, simulated, BATCH, first_step)
 
 
 def test_tp_hugging_face_llama_through_export() -> None:
@@ -141,7 +114,7 @@ def test_tp_hugging_face_llama_through_export() -> None:
     ranks = measure_ranks(model, inputs, 2, tp=2, loss="lm_cross_entropy")
     assert [m.saved for m in ranks] == [report.activation_bytes(2)] * 2
     assert ranks[0].baseline == sum(v.at(2) for v in report.timeline(2).baseline.values())
-    _check_ranks(ranks, report, 2)
+    check_ranks(ranks, report, 2)
 
 
 def test_fsdp_over_tp_on_a_two_by_two_mesh() -> None:
@@ -155,7 +128,7 @@ def test_fsdp_over_tp_on_a_two_by_two_mesh() -> None:
     ranks = measure_ranks(model, inputs, BATCH, fsdp=2, units=report.fsdp_units, tp=2, loss="lm_cross_entropy")
     assert [m.saved for m in ranks] == [report.activation_bytes(BATCH)] * 4
     assert ranks[0].baseline == sum(v.at(BATCH) for v in report.timeline(BATCH).baseline.values())
-    _check_ranks(ranks, report, BATCH, spread=256)
+    check_ranks(ranks, report, BATCH, spread=256)
 
 
 def test_cli_analyze_and_measure_with_tp(capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from fxmem.errors import CaptureError, FxmemError
 
-__all__ = ["ModuleHooks", "ModuleScopes", "Scope", "call_forward_hooks", "call_pre_hooks"]
+__all__ = ["ModuleHooks", "ModuleScopes", "Scope", "call_forward_hooks", "call_pre_hooks", "within"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _scope(gm: fx.GraphModule, path: str, model: str) -> Scope:
     if not path:  # get_attr nodes may come before the inputs (torch.export's graphs): a weight is read where it is used
         inside = [n for n in nodes if n.op not in ("placeholder", "get_attr")]
     else:
-        inside = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output") and _within(_path_of(n), path)]
+        inside = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output") and within(_path_of(n), path)]
     if not inside:
         raise CaptureError(
             f"model '{model}': module '{path}' ({type(module).__name__}) runs no operation in the traced graph, so its "
@@ -99,7 +99,8 @@ def _path_of(n: fx.Node) -> str:
     return str(list(stack.values())[-1][0]) if stack else ""
 
 
-def _within(fqn: str, path: str) -> bool:
+def within(fqn: str, path: str) -> bool:
+    """Whether module path ``fqn`` is ``path`` or inside it."""
     return fqn == path or fqn.startswith(path + ".")
 
 

@@ -9,6 +9,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -16,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fxmem.engine.binding import fake_like
-from fxmem.engine.module_hooks import ModuleScopes
+from fxmem.engine.capture import node_fqn
+from fxmem.engine.module_hooks import ModuleScopes, within
 from fxmem.errors import InputSpecError
 from fxmem.parallel.fake_group import fake_world
 from fxmem.parallel.fsdp import fsdp_policy, shard_units
@@ -75,7 +77,8 @@ class ParallelPlan:
     def describe(self) -> str:
         """The run in words, for the step's path and the report's header."""
         parts = [f"FSDP2 over {self.fsdp} (fully_shard on {len(self.units)} units and the root)"] if self.fsdp > 1 else []
-        parts += [f"tensor parallel over {self.tp} ({len(self.tp_layers)} layers)"] if self.tp > 1 else []
+        sequence = ", sequence parallel" if any(t.style.startswith("sequence_") for t in self.tp_layers) else ""
+        parts += [f"tensor parallel over {self.tp} ({len(self.tp_layers)} layers{sequence})"] if self.tp > 1 else []
         return " x ".join(parts)
 
 
@@ -158,7 +161,9 @@ def one_rank(
     FSDP2 units and root, and the tensor-parallel layers that are not calls of their own in the graph."""
     with fake_world(plan.world_size, model):
         sharded = shard_graph(gm, plan, plan_mesh(plan), mode, model)
-        yield sharded, ModuleScopes.of(sharded, (*plan.paths, *_flattened(sharded, plan.tp_layers)), model)
+        hooked = (*plan.paths, *_flattened(sharded, plan.tp_layers))
+        _read_arguments_past_casts(sharded, hooked)
+        yield sharded, ModuleScopes.of(sharded, hooked, model)
 
 
 def _flattened(gm: fx.GraphModule, layers: tuple[TpLayer, ...]) -> tuple[str, ...]:
@@ -166,3 +171,38 @@ def _flattened(gm: fx.GraphModule, layers: tuple[TpLayer, ...]) -> tuple[str, ..
     module (torch.fx's leaves), which fires its hooks itself."""
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     return tuple(t.path for t in layers if t.path not in called)
+
+
+# Note [A module's argument behind a no-op cast]
+#     HF's RMSNorm begins with ``hidden_states.to(torch.float32)``, which on a float32 input returns
+#     the tensor itself; torch.export records an ``aten.to`` node all the same, and since the decoder
+#     layer's residual is that same tensor, the residual add after the norm reads the cast node
+#     (the same effect as Note [Outputs behind a cast that was a no-op when exported] in
+#     fxmem/frontends/exporting.py). The cast then counts as a second output of the norm, and the
+#     norm's forward hooks (sequence parallel's: Note [Sequence parallel] in
+#     fxmem/parallel/tensor.py) get two values where eager's get its one output. In eager the add
+#     reads the caller's own tensor, so in the sharded copy a read after a hooked module of such a
+#     cast of the module's argument reads the argument again, the caller's value
+#     (Note [Module hooks on a flattened graph] in fxmem/engine/module_hooks.py). The cast
+#     allocates nothing, so nothing the step records changes but who holds the value.
+
+_CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout)
+
+
+def _read_arguments_past_casts(gm: fx.GraphModule, paths: tuple[str, ...]) -> None:
+    """Reads after a hooked module of a no-op cast of its argument read the argument
+    (Note [A module's argument behind a no-op cast])."""
+    for n in gm.graph.nodes:
+        owner = max((p for p in paths if p and within(node_fqn(n), p)), key=len, default=None)  # the innermost
+        if owner is None or not _noop_cast(n) or within(node_fqn(n.args[0]), owner):
+            continue
+        for user in [u for u in n.users if not within(node_fqn(u), owner)]:
+            user.replace_input_with(n, n.args[0])
+    gm.recompile()
+
+
+def _noop_cast(n: fx.Node) -> bool:
+    if n.target not in _CASTS or not n.args or not isinstance(n.args[0], fx.Node) or n.kwargs.get("copy", False):
+        return False
+    before, after = n.args[0].meta.get("val"), n.meta.get("val")
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
