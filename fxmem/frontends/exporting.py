@@ -62,7 +62,7 @@ from torch.utils._pytree import tree_map
 
 from fxmem.errors import TraceError
 from fxmem.frontends.checkpointing import attach_exported_regions, tagging_checkpoints
-from fxmem.frontends.hf_paths import eager_code_paths, has_eager_code_paths
+from fxmem.frontends.hf_paths import eager_code_paths, forward_input_names, has_eager_code_paths
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.inputs import Constant, InputSpec
 
@@ -151,7 +151,7 @@ def _export(
         if on_cpu:
             device = stack.enter_context(_meta_faked_on_cpu(device))
         if eager_paths:
-            stack.enter_context(eager_code_paths(_input_names(model, specs)))
+            stack.enter_context(eager_code_paths(forward_input_names(model, specs)))
         stack.enter_context(_symbolic_len(model))
         args = tuple(_example(s, device) for s in specs if s.name is None)
         kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
@@ -231,14 +231,6 @@ def _fake_on_cpu(fake_mode: Any, t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, nn.Parameter):
         cpu._is_param = True  # what FakeTensorMode.from_tensor marks a parameter with
     return cpu
-
-
-def _input_names(model: nn.Module, specs: Sequence[InputSpec]) -> set[str]:
-    """The forward() parameter names the inputs bind to (positional ones by position)."""
-    params = inspect.signature(model.forward).parameters
-    positional = [p.name for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    unnamed = sum(1 for s in specs if s.name is None)
-    return {*positional[:unnamed], *(s.name for s in specs if s.name is not None)}
 
 
 @contextlib.contextmanager

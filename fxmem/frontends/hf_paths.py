@@ -33,16 +33,26 @@ import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["eager_code_paths", "has_eager_code_paths"]
+from fxmem.inputs import InputSpec
+
+__all__ = ["eager_code_paths", "forward_input_names", "has_eager_code_paths"]
 
 _SKIP_DECISIONS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 _TRACING_CHECKS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling", "is_tracing")
 """The names masking_utils may use to ask whether it is traced; each is answered False while deciding."""
+
+
+def forward_input_names(model: torch.nn.Module, specs: Sequence[InputSpec]) -> set[str]:
+    """The forward() parameter names the inputs bind to (positional ones by position)."""
+    params = inspect.signature(model.forward).parameters
+    positional = [p.name for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unnamed = sum(1 for s in specs if s.name is None)
+    return {*positional[:unnamed], *(s.name for s in specs if s.name is not None)}
 
 
 def has_eager_code_paths() -> bool:

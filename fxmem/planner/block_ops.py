@@ -42,6 +42,7 @@ from fxmem.engine.capture import fake_batch, quiet_fake_tensor_log
 from fxmem.engine.flops import is_view_like, op_cost
 from fxmem.engine.losses import Loss
 from fxmem.errors import InputSpecError
+from fxmem.frontends.hf_paths import eager_code_paths, forward_input_names
 from fxmem.inputs import InputSpec, tensors_of
 from fxmem.symbolic import ByteExpr, to_byte_expr
 
@@ -236,7 +237,8 @@ def record_block_ops(
     book = _Book(symbols=(fake.symbols.get("B"), fake.symbols.get("S")))
     args = [v for s, v in zip(specs, fake.inputs) if s.name is None]
     kwargs = {s.name: v for s, v in zip(specs, fake.inputs) if s.name is not None}
-    with swapped_state(model, fake.state_copy), quiet_fake_tensor_log(), _block_hooks(model, blocks, book):  # type: ignore[arg-type]
+    paths = eager_code_paths(forward_input_names(model, specs))  # transformers' eager masks, as export's pass takes them
+    with swapped_state(model, fake.state_copy), quiet_fake_tensor_log(), paths, _block_hooks(model, blocks, book):  # type: ignore[arg-type]
         book.state.update(book.storage(t) for t in [*model.parameters(), *model.buffers(), *tensors_of(specs, fake.inputs)])
         with fake.mode, _OpRecorder(book), torch.autograd.graph.saved_tensors_hooks(book.pack, lambda t: t):
             output = loss.select(model(*args, **kwargs), name)
