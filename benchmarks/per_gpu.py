@@ -72,21 +72,22 @@ LLAMA_3_8B = {
 
 
 def tp_rows(degrees: tuple[int, ...] = (1, 2, 4, 8), tokens: int = 8192) -> list[list[str]]:
-    """One rank of Llama-3.1-8B under tensor parallel over each degree, simulated on the cuda target."""
+    """One rank of Llama-3.1-8B under tensor parallel over each degree, then with sequence parallel
+    (``sp=True``: its plan derived from HF's, fxmem/parallel/tensor.py), simulated on the cuda target."""
     import transformers
 
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_3_8B))
     out = []
-    for tp in degrees:
+    for tp, sp in [*((t, False) for t in degrees), *((t, True) for t in degrees if t > 1)]:
         report = fxmem.analyze(
-            model, {"input_ids": f"B,{tokens}:int64"}, loss="lm_cross_entropy", batch=1, tp=tp, amp="bf16", optimizer_impl="for-loop"
+            model, {"input_ids": f"B,{tokens}:int64"}, loss="lm_cross_entropy", batch=1, tp=tp, sp=sp, amp="bf16", optimizer_impl="for-loop"
         )
         peak = report.peak(1)
         allocated = peak.device.allocated if peak.device is not None else peak.bytes
         state = report.per_gpu.total if tp > 1 else report.state.total
         cells = (state, report.activation_bytes(1), allocated)
-        out.append(["Llama-3.1-8B", f"{tokens}", f"tp x {tp}", *(format_bytes(c) for c in cells)])
+        out.append(["Llama-3.1-8B", f"{tokens}", f"tp x {tp}" + (" + sp" if sp else ""), *(format_bytes(c) for c in cells)])
     return out
 
 
