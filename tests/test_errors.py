@@ -147,7 +147,7 @@ def test_bad_model(capsys: pytest.CaptureFixture[str], argv: list[str], expected
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        pytest.param([], "name a command: analyze, measure, timeline or zoo", id="no-command"),
+        pytest.param([], "name a command: analyze, measure, timeline, plan or zoo", id="no-command"),
         pytest.param(["bogus"], "invalid choice: 'bogus'", id="unknown-command"),
         pytest.param(["analyze"], "the following arguments are required: spec", id="no-spec"),
         pytest.param(["measure", f"{M}:linear_8_4", "--input", "B,7"], "node '_0'", id="measure-shape-rejected"),
