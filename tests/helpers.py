@@ -135,3 +135,24 @@ def check_ranks(ranks: tuple[RankMeasurement, ...], report: Report, batch: int, 
     lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
     assert lowest >= predicted - spread - early, (predicted, early, [m.peak for m in ranks])
     assert highest <= predicted + held + spread, (predicted, held, [m.peak for m in ranks])
+
+
+def scratch_of(op_name: str, run: Callable[[], object]) -> int:
+    """The most bytes ``op_name`` had allocated at once less what it still holds when it returns (its
+    outputs): its scratch, from the profiler's allocation events in a real CPU run."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        run()
+    stack, inside = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        parent = e.parent
+        while parent is not None and parent.name != op_name:
+            parent = parent.parent
+        if e.typed[0] == torch._C._profiler._EventType.Allocation and parent is not None:
+            inside.append((e.start_time_ns, e.typed[1].alloc_size))
+    running, top = 0, 0
+    for _, size in sorted(inside):
+        running += size
+        top = max(top, running)
+    return top - running

@@ -15,6 +15,7 @@ from torch import nn
 
 import fxmem
 from fxmem.rules.cpu_norms import cpu_batch_norm_backward_workspace, cpu_group_norm_backward_workspace, cpu_group_norm_workspace
+from tests.helpers import scratch_of
 
 _A = torch.ops.aten
 
@@ -26,27 +27,6 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
-
-
-def _scratch_of(op_name: str, run: Callable[[], object]) -> int:
-    """The most bytes ``op_name`` had allocated at once less what it still holds when it returns (its
-    outputs): its scratch, from the profiler's allocation events in a real CPU run."""
-    with torch.profiler.profile(profile_memory=True) as prof:
-        run()
-    stack, inside = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        parent = e.parent
-        while parent is not None and parent.name != op_name:
-            parent = parent.parent
-        if e.typed[0] == torch._C._profiler._EventType.Allocation and parent is not None:
-            inside.append((e.start_time_ns, e.typed[1].alloc_size))
-    running, top = 0, 0
-    for _, size in sorted(inside):
-        running += size
-        top = max(top, running)
-    return top - running
 
 
 SHAPES = [
@@ -85,7 +65,7 @@ def test_group_norm_forward_scratch(
 ) -> None:
     """Contiguous: none; channels last: N x 2C below 1024 positions, T x N x 2C + N x 2G from 1024."""
     args = _group_norm_args(_group_norm_input(shape, layout, dtype), groups, weight_dtype)
-    measured = _scratch_of("aten::native_group_norm", lambda: _A.native_group_norm(*args))
+    measured = scratch_of("aten::native_group_norm", lambda: _A.native_group_norm(*args))
     assert cpu_group_norm_workspace(args, {}, None) == measured
 
 
@@ -104,7 +84,7 @@ def test_group_norm_backward_scratch(
     x, w, b, n, c, hxw, g, eps = _group_norm_args(_group_norm_input(shape, layout, dtype), groups, weight_dtype)
     y, mean, rstd = _A.native_group_norm(x, w, b, n, c, hxw, g, eps)
     args = (torch.randn_like(y), x, mean, rstd, w, n, c, hxw, g, MASKS[mask])
-    measured = _scratch_of("aten::native_group_norm_backward", lambda: _A.native_group_norm_backward(*args))
+    measured = scratch_of("aten::native_group_norm_backward", lambda: _A.native_group_norm_backward(*args))
     assert cpu_group_norm_backward_workspace(args, {}, None) == measured
 
 
@@ -187,7 +167,7 @@ def test_batch_norm_backward_scratch(shape: tuple[int, ...], dtype: torch.dtype,
     + [eval]) x C values (channels last); the reductions' path: C values."""
     wrong = []
     for what, args in _batch_norm_backward_cases(shape, dtype):
-        measured = _scratch_of("aten::native_batch_norm_backward", functools.partial(_A.native_batch_norm_backward, *args))
+        measured = scratch_of("aten::native_batch_norm_backward", functools.partial(_A.native_batch_norm_backward, *args))
         predicted = cpu_batch_norm_backward_workspace(args, {}, None)
         if predicted != measured:
             wrong.append((what, predicted, measured))

@@ -30,7 +30,7 @@ from fxmem.rules.ops import (
     mkldnn_rnn_layer_backward_workspace,
     mm_operand_copies,
 )
-from tests.helpers import assert_step_peak
+from tests.helpers import assert_step_peak, scratch_of
 
 AVX512 = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
 onednn_avx512 = pytest.mark.skipif(not AVX512, reason="the oneDNN rules describe AVX512 kernels")
@@ -367,7 +367,7 @@ def test_lstm_forward_workspace_matches_the_profiler(threads: int, seq: int, bat
         x = torch.randn(seq, batch, inp)
         with Spy():
             lstm(x)
-        measured = _scratch_of("aten::mkldnn_rnn_layer", lambda: lstm(x))
+        measured = scratch_of("aten::mkldnn_rnn_layer", lambda: lstm(x))
     finally:
         torch.set_num_threads(before)
     assert measured == mkldnn_rnn_layer_forward_workspace(calls[0], {}, None)
@@ -398,27 +398,6 @@ def test_frozen_lstm_forward_peak(first_step: bool) -> None:
 # buffers] in fxmem/rules/ops.py), held to the profiler's allocations in a real run.
 
 
-def _scratch_of(op_name: str, run: Callable[[], object]) -> int:
-    """The most bytes ``op_name`` had allocated at once, minus what it returned (its scratch), from the
-    profiler's allocation events in a real CPU run."""
-    with torch.profiler.profile(profile_memory=True) as prof:
-        run()
-    stack, inside = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        parent = e.parent
-        while parent is not None and parent.name != op_name:
-            parent = parent.parent
-        if e.typed[0] == _EventType.Allocation and parent is not None:
-            inside.append((e.start_time_ns, e.typed[1].alloc_size))
-    running, top = 0, 0
-    for _, size in sorted(inside):
-        running += size
-        top = max(top, running)
-    return top - running
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("queries", "keys", "head_dim"), [(5, 5, 1), (7, 7, 4), (192, 192, 8), (768, 768, 4), (600, 520, 8), (50, 513, 8)])
 def test_cpu_flash_attention_forward_scratch(threads: int, queries: int, keys: int, head_dim: int) -> None:
@@ -429,7 +408,7 @@ def test_cpu_flash_attention_forward_scratch(threads: int, queries: int, keys: i
     try:
         q, k = torch.randn(1, 2, queries, head_dim), torch.randn(1, 2, keys, head_dim)
         op = "aten::_scaled_dot_product_flash_attention_for_cpu"
-        measured = _scratch_of(op, lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k))
+        measured = scratch_of(op, lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, k))
         assert cpu_flash_attention_workspace((q, k, k), {}, None) == measured
     finally:
         torch.set_num_threads(before)
@@ -471,7 +450,7 @@ def test_cpu_gelu_backward_scratch(approximate: str, grad: str, inp: str) -> Non
 
     g, x = _GRADIENTS[grad](), _INPUTS[inp]()
     out = torch.ops.aten.gelu_backward(g, x, approximate=approximate)
-    measured = _scratch_of("aten::gelu_backward", lambda: torch.ops.aten.gelu_backward(g, x, approximate=approximate))
+    measured = scratch_of("aten::gelu_backward", lambda: torch.ops.aten.gelu_backward(g, x, approximate=approximate))
     assert cpu_gelu_backward_workspace((g, x), {"approximate": approximate}, out) == measured
 
 
@@ -533,7 +512,7 @@ def test_cpu_pooling_backward_scratch(kind: str, shape: tuple[int, ...]) -> None
             with _Calls(name, calls):
                 out = backward(g, x)
             args, kwargs = calls[0]
-            measured = _scratch_of(f"aten::{name}", lambda g=g, x=x: backward(g, x))
+            measured = scratch_of(f"aten::{name}", lambda g=g, x=x: backward(g, x))
             if rule(args, kwargs, out) != measured:
                 wrong.append((x_layout, g_layout, rule(args, kwargs, out), measured))
     assert not wrong, wrong
@@ -546,7 +525,7 @@ def _backward_call(name: str, out: torch.Tensor) -> tuple[tuple[Any, ...], int]:
     calls: list[tuple[Any, ...]] = []
     with _Calls(name, calls):
         out.backward(grad, retain_graph=True)
-    return calls[0], _scratch_of(f"aten::{name}", lambda: out.backward(grad, retain_graph=True))
+    return calls[0], scratch_of(f"aten::{name}", lambda: out.backward(grad, retain_graph=True))
 
 
 class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
