@@ -119,10 +119,27 @@ def test_cli_plan_emits_runnable_code_and_verifies(tmp_path: Path, capsys: pytes
         code["train_step"](model, optimizer, batch, loss_fn)
 
 
-def test_bad_requests_are_refused() -> None:
+def test_bad_requests_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model, inputs = _gpt()
     with pytest.raises(InputSpecError, match="--allow 'wings' is not a lever"):
         plan(model, inputs, allow=["wings"])
     with pytest.raises(InputSpecError, match=r"needs the memory to fit in \(--memory SIZE\)"):
         plan(model, inputs, target="cpu")
     assert main(["plan", "zoo:gpt2-small:test", "--verify"]) == 2
+    emitted = str(tmp_path / "plan.py")
+    argv = [
+        "plan",
+        "zoo:gpt2-small:test",
+        "--target",
+        "cpu",
+        "--memory",
+        "4MiB",
+        "--optimizer",
+        "lion",
+        "--emit",
+        emitted,
+        "--allow",
+        "batch",
+    ]
+    assert main(argv) == 2
+    assert "optimizer 'lion' has none fxmem knows" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
+from fxmem.errors import InputSpecError
 from fxmem.output.render import format_bytes
 from fxmem.planner.emit import emit_source
 from fxmem.planner.search import Candidate, Config, Plan
@@ -85,7 +86,7 @@ def emit_plan(plan: Plan, candidate: Candidate | None = None) -> str:
     implementation, its autocast, its gradient accumulation and its activation checkpointing."""
     c = candidate or plan.best
     if c is None:
-        raise ValueError("the plan has no fitting configuration to emit")
+        raise InputSpecError(f"model '{plan.model}': nothing fits, so there is no configuration to emit; see the plan's closest one.")
     config = c.config
     checkpointing = "\n\n# Activation checkpointing, as fxmem chose it:\n" + emit_source(config.checkpoint) if config.checkpoint else ""
     return _TEMPLATE.format(
@@ -140,5 +141,8 @@ def _optimizer_call(name: str, impl: str | None) -> str:
     if name == "adam8bit":  # bitsandbytes' 8-bit AdamW, which fxmem's rule describes
         return f"__import__('bitsandbytes').optim.AdamW8bit({arguments})"
     if name not in classes:
-        raise ValueError(f"no torch.optim class for optimizer '{name}'")
+        raise InputSpecError(
+            f"--emit writes torch.optim calls, and optimizer '{name}' has none fxmem knows; build it yourself in make_optimizer, "
+            "or plan with adamw, adam, sgd, sgd-momentum, adafactor, adagrad or adam8bit."
+        )
     return f"torch.optim.{classes[name]}({arguments})"
