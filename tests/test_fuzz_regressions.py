@@ -5,6 +5,7 @@ bytes worked out by hand where that is short enough to write down.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterator, Sequence
 
@@ -189,3 +190,125 @@ def test_batchnorm_one_value_per_channel_at_batch_one() -> None:
 )
 def test_conv_transpose3d_kernel_choice_changes_at_batch_16() -> None:
     assert_matches(nn.Sequential(nn.ConvTranspose3d(4, 1, 1), nn.GELU()), ["B,4,3,3,3"], batches=(16,))
+
+
+# --- Pointwise outputs in TensorIterator's layout ----------------------------------------------------
+# See Note [TensorIterator output layouts on the CPU] in fxmem/rules/cpu_layouts.py. Found by the peak
+# fuzzer (issue 18): 568 predicted, 636 measured at B=3, in backward.
+
+
+class _ChunkMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.chunk(2, dim=1)
+        return parts[0] * parts[1]
+
+
+class _Permute(nn.Module):
+    def __init__(self, *dims: int) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(*self.dims)
+
+
+class _LeakyWhere(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x > 0, x, x * 0.1)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_relu_output_in_tensor_iterator_layout() -> None:
+    # The ReLU over the second chunk-multiply's (B, 1, 1, 3) output, strides (3, 1, 3, 1), returns
+    # canonical strides (3, 3, 3, 1) on the CPU; the fake kernel kept (3, 1, 3, 1), which suggests
+    # channels-last. Chunk's backward (a cat) then laid out the multiplications' gradients
+    # channels-last on fake tensors only, the gradient permuted back reached layer norm's backward
+    # contiguous, and the fake step missed that backward's contiguous copy of it (Note [CPU layer norm
+    # buffers]): 3 x 6 floats, 72 bytes at B=3, which lifts layer norm's backward from 564 to 636,
+    # above the 568 fxmem had predicted (at the multiplication's backward).
+    norm = nn.Sequential(_Permute(0, 2, 3, 1), nn.LayerNorm(2), _Permute(0, 3, 1, 2))
+    model = nn.Sequential(nn.PixelUnshuffle(2), _ChunkMul(), _LeakyWhere(), norm, _ChunkMul(), nn.ReLU())
+    report = fxmem.analyze(model, ["B,1,2,6"], loss="sum", optimizer="adamw", target="cpu")
+    for batch in (1, 2, 3):
+        for first in (False, True):
+            predicted = report.peak(batch, first_step=first)
+            measured = fxmem.measure_peak(model, ["B,1,2,6"], batch, loss="sum", optimizer="adamw", first_step=first)
+            assert (predicted.bytes, predicted.phase) == (measured.bytes, measured.phase), f"B={batch} first={first}"
+    assert report.peak(3).bytes == 636
+
+
+# --- The slow convolution's backward copies a gradient that is not contiguous ---------------------
+# See Note [CPU slow convolution columns] in fxmem/rules/ops.py. Found by the peak fuzzer: a ReLU ->
+# Conv3d(1, 1, 1, padding=1) on (B, 1, 1, 1, 1), 324 bytes low at B=3 (the sum's expanded gradient
+# copied, 27 floats a sample).
+
+
+def _slow_backward_scratch(args: tuple[object, ...]) -> int:
+    """The most bytes convolution_backward had allocated at once less what it holds when it returns."""
+    from torch._C._profiler import _EventType
+
+    with torch.profiler.profile(profile_memory=True) as prof:
+        torch.ops.aten.convolution_backward(*args)
+    stack, inside = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        parent = e.parent
+        while parent is not None and parent.name != "aten::convolution_backward":
+            parent = parent.parent
+        if e.typed[0] == _EventType.Allocation and parent is not None:
+            inside.append((e.start_time_ns, e.typed[1].alloc_size))
+    running, top = 0, 0
+    for _, size in sorted(inside):
+        running += size
+        top = max(top, running)
+    return top - running
+
+
+_GRADIENTS = {
+    "contiguous": lambda shape: torch.randn(shape),
+    "expanded": lambda shape: torch.ones(()).expand(shape),  # a sum's gradient
+    "transposed": lambda shape: torch.randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2),
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn on", "onednn off"])
+@pytest.mark.parametrize("dims", [2, 3])
+def test_slow_convolution_backward_scratch(dims: int, onednn: bool) -> None:
+    # Columns (3-D: unless a 1x1 kernel without an input gradient; 2-D: for the weight's gradient,
+    # unless 1x1) plus the gradient's contiguous copy. Where both gradients are made the weight's
+    # gradient can be allocated after the top; the measure (top less what is held at the end) is then
+    # its size below the rule.
+    from fxmem.rules.ops import convolution_backward_workspace
+
+    wrong, checked = [], 0
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        for cin, cout, k, pad, stride, grad in itertools.product((1, 3), (1, 4), (1, 3), (0, 1), (1, 2), _GRADIENTS):
+            x, w = torch.randn(3, cin, *(5,) * dims), torch.randn(cout, cin, *(k,) * dims)
+            conv = ([stride] * dims, [pad] * dims, [1] * dims, False, [0] * dims, 1)
+            if not str(torch._C._select_conv_backend(x, w, None, *conv)).endswith(("Slow2d", "Slow3d")):
+                continue
+            g = _GRADIENTS[grad](torch.ops.aten.convolution(x, w, None, *conv).shape)
+            for mask in ([True, False, False], [False, True, False], [True, True, False]):
+                args = (g, x, w, None, *conv, mask)
+                predicted = convolution_backward_workspace(args, {}, None)
+                measured = _slow_backward_scratch(args)
+                late_weight_gradient = mask[0] and mask[1] and predicted - measured == w.numel() * 4
+                checked += 1
+                if predicted != measured and not late_weight_gradient:
+                    wrong.append((cin, cout, k, pad, stride, grad, mask, predicted, measured))
+    assert checked >= 48
+    assert not wrong
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("pre", ["relu", "norm"])
+def test_slow_conv3d_backward_copies_the_sum_gradient(pre: str) -> None:
+    first = nn.ReLU() if pre == "relu" else nn.Sequential(_Permute(0, 2, 3, 4, 1), nn.LayerNorm(1), _Permute(0, 4, 1, 2, 3), nn.ReLU())
+    model = nn.Sequential(first, nn.Conv3d(1, 1, 1, padding=1, bias=False))
+    report = fxmem.analyze(model, ["B,1,1,1,1"], loss="sum", optimizer="adamw", target="cpu")
+    for batch in (2, 3, 4):
+        predicted = report.peak(batch)
+        measured = fxmem.measure_peak(model, ["B,1,1,1,1"], batch, loss="sum", optimizer="adamw")
+        assert (predicted.bytes, predicted.phase) == (measured.bytes, measured.phase), f"B={batch}"

@@ -281,8 +281,17 @@ def workspace_rules_for(device: str, rules: Registry[OpKey, Any] = WORKSPACE_RUL
 #     are made; 3-D once per gradient it computes (the same size, so the highest moment is the same).
 #     A 1x1 kernel with stride 1 and no padding needs no columns (the input is its own), except in a
 #     3-D backward that computes the input's gradient. Measured with torch.profiler for 2-D and 3-D,
-#     kernels 1 and 3, strides 1 and 2, with and without an input gradient
-#     (tests/test_timeline.py::test_slow_convolution_columns_match_the_profiler).
+#     kernels 1 and 3, strides 1 and 2, with and without an input gradient.
+#     The backward, besides: both kernels take ``grad_output.contiguous()``, a copy of the whole
+#     gradient where it is not contiguous (the expanded gradient of a sum, a transposed one), alive
+#     with the columns; and the 2-D one makes its columns only for the weight's gradient (an input
+#     gradient alone needs none). Measured with the profiler on torch 2.13, oneDNN on and off (the
+#     slow kernels run 1x1 convolutions with few channels on this AVX2 CPU): 1008 backwards, 2-D and
+#     3-D, kernels 1 to 3, padding 0 and 1, strides 1 and 2, 1 and 3 input and 1 and 4 output
+#     channels, contiguous, expanded and transposed gradients, every mask of input and weight
+#     gradients; exact on each (tests/test_fuzz_regressions.py). A fuzzed ReLU -> Conv3d(1, 1, 1,
+#     padding=1) on (B, 1, 1, 1, 1) peaked in its backward 108 bytes a sample above fxmem without the
+#     copy (the sum's expanded gradient, 27 floats a sample).
 
 _SLOW_CONV = ("Slow2d", "Slow3d")
 
@@ -351,9 +360,10 @@ def convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any
     backend = _slow_backend(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
     if not backend or not (mask[0] or mask[1]):
         return 0
-    if _pointwise(weight, stride, padding) and not (backend == "Slow3d" and mask[0]):
-        return 0
-    return _slow_conv_columns(inp, weight, grad_output.shape[2:])
+    copy = 0 if grad_output.is_contiguous() else grad_output.numel() * grad_output.element_size()
+    pointwise = _pointwise(weight, stride, padding)
+    columns = (not pointwise or mask[0]) if backend == "Slow3d" else (mask[1] and not pointwise)
+    return copy + (_slow_conv_columns(inp, weight, grad_output.shape[2:]) if columns else 0)
 
 
 # Note [CPU oneDNN LSTM backward buffers]
@@ -599,6 +609,8 @@ register_workspace_rule(("aten._scaled_dot_product_flash_attention_for_cpu_backw
 #     allocate none of it. Measured with the profiler on torch 2.13 (1, 2 and 3 threads; permuted and
 #     contiguous inputs; with and without weight, bias and input gradient): tests/test_workspaces.py.
 #     A ConvNeXt block's permuted LayerNorm at B=4, 16 channels, 6x6 peaked 48% above fxmem without it.
+#     Whether the gradient is contiguous can hang on the strides of size-1 dimensions upstream (a cat
+#     in a layout its inputs suggest): see Note [TensorIterator output layouts on the CPU].
 
 
 def _copy_if_strided(t: Any) -> int:
@@ -853,4 +865,4 @@ register_workspace_rule(("aten.convolution", "cuda"))(cudnn_convolution_workspac
 register_workspace_rule(("aten.convolution_backward", "cuda"))(cudnn_convolution_backward_workspace)
 
 
-from fxmem.rules import cpu_norms, cuda_norms  # noqa: E402, F401  (register the cpu's and the cuda target's normalization rules)
+from fxmem.rules import cpu_layouts, cpu_norms, cuda_norms  # noqa: E402, F401  (register the cpu's pointwise layouts and normalization rules, the cuda target's norms)
