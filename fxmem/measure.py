@@ -43,6 +43,7 @@ from fxmem.engine.capture import record_real
 from fxmem.engine.losses import Loss, get_loss
 from fxmem.engine.recompute import selective_caches
 from fxmem.errors import CaptureError, FxmemError
+from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.results import Phase
@@ -87,7 +88,7 @@ def measure(
     specs, loss_fn = parse_inputs(inputs), get_loss(loss)
     torch.manual_seed(seed)
     real = materialize(model).train()
-    with _real_run(model, batch):
+    with _real_run(model, batch, real=real):
         total = _eager_total(real, specs, loss_fn, batch, seq_len)
     traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
     capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch, seq=seq_len)
@@ -95,10 +96,13 @@ def measure(
 
 
 @contextlib.contextmanager
-def _real_run(model: nn.Module, batch: int, where: str = "CPU") -> Iterator[None]:
-    """A real run's failure as one clear error instead of torch's traceback."""
+def _real_run(model: nn.Module, batch: int, where: str = "CPU", *, real: nn.Module | None = None) -> Iterator[None]:
+    """A real run's failure as one clear error instead of torch's traceback. A Hugging Face model runs
+    with the configuration its trace had (``real``'s configs edited for training: no key/value cache;
+    Note [A Hugging Face model passed as an object]): the measured step is the step fxmem predicts."""
     try:
-        yield
+        with prepared_for_training(real if real is not None else model):
+            yield
     except FxmemError:
         raise
     except Exception as e:
@@ -235,13 +239,13 @@ def measure_peak(
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
     name = type(model).__name__
     with (
-        _real_run(model, batch),
+        _real_run(model, batch, real=real),
         torch.no_grad(),
         warnings.catch_warnings(),
     ):  # the target's shape comes from the output; the data loader made it beforehand
         warnings.filterwarnings("ignore", "None of the inputs have requires_grad")  # a reentrant checkpoint's, true of any no_grad forward
         target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
-    with _real_run(model, batch):
+    with _real_run(model, batch, real=real):
         opt = _optimizer(real, rule, optimizer_impl)
         if not first_step:  # one real step beforehand: state for exactly the parameters that get gradients
             _real_step(real, args, kwargs, loss_fn, target, opt, name, lambda _: contextlib.nullcontext(), autocast)
@@ -251,12 +255,12 @@ def measure_peak(
     held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and on_device(t)]
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
     if torch.device(device).type == "cuda":
-        with _real_run(model, batch, "CUDA"):
+        with _real_run(model, batch, "CUDA", real=real):
             peaks = _cuda_peaks(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around, autocast))
         phase = max(peaks, key=lambda p: peaks[p][0])
         allocated = {p: top for p, (top, _) in peaks.items()}
         return PeakMeasurement(batch, first_step, allocated[phase], phase, baseline, {}, max(r for _, r in peaks.values()), allocated)
-    with _real_run(model, batch), _quiet_stderr(), _profiled() as prof:
+    with _real_run(model, batch, real=real), _quiet_stderr(), _profiled() as prof:
         _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
     top, at, phase, tops = _highest(prof)
     phases = {p: baseline + t for p, t in tops.items()}

@@ -115,3 +115,31 @@ def test_batch_norm_outputs_have_the_cpu_kernel_layout(shape: tuple[int, ...], p
     assert fake == eager
     if not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last):
         assert unruled != eager  # the fake kernel alone keeps the input's strides: the rule is needed
+
+
+class Indexed(nn.Module):
+    """An embedding's (B, 7, 3) output indexed as the fuzzer and vision models index it: a slice spanning
+    the symbolic batch (``:``) that eager elides, before a slice or a select of another axis."""
+
+    def __init__(self, index: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.embed(x)
+        return {
+            "slice": lambda: y[:, 0:1],
+            "cls": lambda: y[:, 0],
+            "middle": lambda: y[:, 2:5],
+            "last": lambda: y[..., -1],
+            "narrow": lambda: y.narrow(1, 1, 3),
+        }[self.index]()
+
+
+@pytest.mark.parametrize("index", ["slice", "cls", "middle", "last", "narrow"])
+def test_indexing_backward_step_peak(index: str) -> None:
+    """Note [Slicing with a symbolic size]: without it, the whole-batch slice's backward made a second
+    (B, 7, 3) gradient, 84 bytes a sample, that the real step never allocates."""
+    for batch in (2, 3):
+        assert_step_peak(Indexed(index), ["B,7:int64"], batch, loss="sum", first_step=False)

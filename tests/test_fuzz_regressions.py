@@ -312,3 +312,28 @@ def test_slow_conv3d_backward_copies_the_sum_gradient(pre: str) -> None:
         predicted = report.peak(batch)
         measured = fxmem.measure_peak(model, ["B,1,1,1,1"], batch, loss="sum", optimizer="adamw")
         assert (predicted.bytes, predicted.phase) == (measured.bytes, measured.phase), f"B={batch}"
+
+
+class _EmbeddingMaxPool(nn.Module):
+    """Embedding(2, 1) -> ReLU -> adaptive_max_pool1d(3): the fuzzer's model (blob
+    AXicc2RyZHVkAkJGRwYoZAKTokBxZpgYAGPBBP8=) whose backward peaked copying the sum's expanded gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.adaptive_max_pool1d(torch.relu(self.embed(x)), 3)
+
+
+@pytest.mark.parametrize("first_step", [False, True])
+def test_adaptive_max_pool_backward_copies_the_sum_gradient(first_step: bool) -> None:
+    """The pooled output is (B, 2, 3) floats: its gradient, the sum's ones expanded, is copied to
+    contiguous in the backward, 24 bytes a sample (Note [CPU pooling and padding backward copies]).
+    Without that copy fxmem was 72 bytes (17%) low at B=3."""
+    model = _EmbeddingMaxPool()
+    report = fxmem.analyze(model, ["B,2:int64"], loss="sum", optimizer="adamw", target="cpu")
+    for batch in (1, 3, 5):
+        predicted = report.peak(batch, first_step=first_step)
+        measured = fxmem.measure_peak(model, ["B,2:int64"], batch, loss="sum", optimizer="adamw", first_step=first_step)
+        assert (predicted.bytes, predicted.phase) == (measured.bytes, measured.phase), f"B={batch}"

@@ -477,6 +477,12 @@ def _max_pool_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return backward(grad, x, k, k, zero, one, False, forward(x.contiguous(), k, k)[1])
 
 
+def _adaptive_max_pool_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    forward = _A.adaptive_max_pool2d if x.dim() == 4 else _A.adaptive_max_pool3d
+    backward = _A.adaptive_max_pool2d_backward if x.dim() == 4 else _A.adaptive_max_pool3d_backward
+    return backward(grad, x, forward(x, [3] * (x.dim() - 2))[1])
+
+
 def _pad(x: torch.Tensor) -> list[int]:
     return [1] * (2 * (x.dim() - 2))
 
@@ -486,6 +492,7 @@ _POOLING = {
     "max_pool": (lambda x: _A.max_pool2d_with_indices(x, [2, 2], [2, 2])[0] if x.dim() == 4 else _A.max_pool3d_with_indices(x, [2] * 3, [2] * 3)[0], _max_pool_backward, "max_pool{n}d_with_indices_backward"),
     "avg_pool": (lambda x: F.avg_pool2d(x, 2) if x.dim() == 4 else F.avg_pool3d(x, 2), lambda g, x: (_A.avg_pool2d_backward if x.dim() == 4 else _A.avg_pool3d_backward)(g, x, [2] * (x.dim() - 2), [2] * (x.dim() - 2), [0] * (x.dim() - 2), False, True, None), "avg_pool{n}d_backward"),
     "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 3) if x.dim() == 4 else F.adaptive_avg_pool3d(x, 3), lambda g, x: (_A._adaptive_avg_pool2d_backward if x.dim() == 4 else _A._adaptive_avg_pool3d_backward)(g, x), "_adaptive_avg_pool{n}d_backward"),
+    "adaptive_max": (lambda x: F.adaptive_max_pool2d(x, 3) if x.dim() == 4 else F.adaptive_max_pool3d(x, 3), _adaptive_max_pool_backward, "adaptive_max_pool{n}d_backward"),
     "reflection_pad": (lambda x: F.pad(x, _pad(x), mode="reflect"), lambda g, x: (_A.reflection_pad2d_backward if x.dim() == 4 else _A.reflection_pad3d_backward)(g, x, _pad(x)), "reflection_pad{n}d_backward"),
     "replication_pad": (lambda x: F.pad(x, _pad(x), mode="replicate"), lambda g, x: (_A.replication_pad2d_backward if x.dim() == 4 else _A.replication_pad3d_backward)(g, x, _pad(x)), "replication_pad{n}d_backward"),
     "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2), lambda g, x: (_A.upsample_nearest2d_backward if x.dim() == 4 else _A.upsample_nearest3d_backward)(g, list(g.shape[2:]), list(x.shape)), "upsample_nearest{n}d_backward"),
@@ -516,6 +523,19 @@ def test_cpu_pooling_backward_scratch(kind: str, shape: tuple[int, ...]) -> None
             if rule(args, kwargs, out) != measured:
                 wrong.append((x_layout, g_layout, rule(args, kwargs, out), measured))
     assert not wrong, wrong
+
+
+def test_cpu_adaptive_max_pool_backward_copies_indices() -> None:
+    """Contiguous indices beside a channels-last input: the 2-D kernel works channels-last and copies
+    them (2*3*3*3 int64 = 432 bytes), besides the contiguous gradient (2*3*3*3 float32 = 216 bytes)."""
+    from fxmem.rules.ops import cpu_adaptive_max_pool_backward_workspace
+
+    x = torch.randn(2, 6, 8, 3).permute(0, 3, 1, 2)
+    indices = _A.adaptive_max_pool2d(x, [3, 3])[1].contiguous()
+    grad = torch.randn(2, 3, 3, 3)
+    run = lambda: _A.adaptive_max_pool2d_backward(grad, x, indices)
+    assert scratch_of("aten::adaptive_max_pool2d_backward", run) == 432 + 216
+    assert cpu_adaptive_max_pool_backward_workspace((grad, x, indices), {}, run()) == 432 + 216
 
 
 def _backward_call(name: str, out: torch.Tensor) -> tuple[tuple[Any, ...], int]:

@@ -17,6 +17,7 @@ import torch
 import torch._refs
 from torch._C import DispatchKey
 from torch._prims_common import suggest_memory_format
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,6 +66,38 @@ def _constant_pad_nd(x: torch.Tensor, pad: Sequence[Any], value: float = 0.0) ->
     return out
 
 
+# Note [Slicing with a symbolic size]
+#     Indexing a tensor with a slice that spans a whole dimension (the ``:`` of ``x[:, 0:1]``) makes no
+#     slice in eager: ``applySlicing`` (aten/src/ATen/TensorIndexing.h) returns the tensor itself when
+#     start is 0, step 1 and stop its length. On fake tensors whose size is a symbol (the batch) that
+#     test cannot be decided, so the slice is made, and its backward, ``slice_backward``, allocates a
+#     zero-filled gradient of the whole input and copies into it: a second input-sized tensor that
+#     eager never makes. Such a slice's backward is here the gradient itself, as in eager; a slice of a
+#     concrete size is left as it is, since there fake and eager agree. Where a slice's or a select's
+#     backward does run, it is computed as the ATen kernels compute it (TensorShape.cpp: one
+#     zero-filled tensor, the gradient copied into the slice), not by torch's Python decomposition,
+#     which fake tensors take with symbolic sizes (new_zeros, then an out-of-place slice_scatter: two
+#     input-sized tensors). A fuzzed Embedding -> x[:, 0:1] model's backward peaked 20% high at B=3
+#     for the first reason (tests/test_dispatch.py).
+
+
+def _slice_backward(grad: Any, input_sizes: Sequence[Any], dim: int, start: Any, end: Any, step: Any) -> Any:
+    """slice_backward as eager runs it. See Note [Slicing with a symbolic size]."""
+    whole = grad.shape[dim]
+    if isinstance(whole, torch.SymInt) and start == 0 and step == 1 and statically_known_true(whole == input_sizes[dim]):
+        return torch.ops.aten.alias.default(grad)
+    out = torch.empty(input_sizes, dtype=grad.dtype, device=grad.device).zero_()  # torch.zeros: a second, filled tensor
+    torch.ops.aten.slice.Tensor(out, dim, start, end, step).copy_(grad)
+    return out
+
+
+def _select_backward(grad: Any, input_sizes: Sequence[Any], dim: int, index: Any) -> Any:
+    """select_backward as its ATen kernel computes it (Note [Slicing with a symbolic size])."""
+    out = torch.empty(input_sizes, dtype=grad.dtype, device=grad.device).zero_()  # torch.zeros: a second, filled tensor
+    out.select(dim, index).copy_(grad)
+    return out
+
+
 # Note [Loss gradients in the legacy layout]
 #     The CPU and CUDA kernels of mse_loss_backward, smooth_l1_loss_backward and huber_loss_backward
 #     allocate the input's gradient contiguous (at::zeros_like(input, LEGACY_CONTIGUOUS_MEMORY_FORMAT)
@@ -83,13 +116,16 @@ def _legacy_contiguous_gradient(grad: Any, inp: Any, *args: Any, **kwargs: Any) 
 
 _SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.constant_pad_nd.default: _constant_pad_nd,
+    torch.ops.aten.slice_backward.default: _slice_backward,
+    torch.ops.aten.select_backward.default: _select_backward,
     torch.ops.aten.mse_loss_backward.default: _legacy_contiguous_gradient,
     torch.ops.aten.smooth_l1_loss_backward.default: _legacy_contiguous_gradient,
     torch.ops.aten.huber_loss_backward.default: _legacy_contiguous_gradient,
 }
 """Ops computed otherwise than by their fake kernel: constant_pad_nd, whose fake kernel reads concrete
 sizes, so that it would fix B to its hint (HF pads labels with it), by torch's own SymInt-safe Python
-reference (both allocate one output of the padded size, so what autograd saves is unchanged); the loss
+reference (both allocate one output of the padded size, so what autograd saves is unchanged); the
+slice and select backwards with the one allocation of their ATen kernels; the loss
 gradients of Note [Loss gradients in the legacy layout] in the layout their real kernels give."""
 
 

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxmem.engine.losses import Loss, get_loss
+from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.inputs import InputSpec, InputSpecs, make_input, parse_inputs, tensors_of
 from fxmem.measure import materialize
 from fxmem.planner.checkpoint import CheckpointPlan
@@ -64,9 +65,11 @@ def measure_plan(
     torch.manual_seed(seed)
     real = materialize(model).train()
     values = [make_input(s, plan.batch, seq_len) for s in specs]
-    plain_saved, plain_flops = _step(copy.deepcopy(real), specs, values, loss_fn, plan.model)
-    checkpointed = compile_plan(plan)(copy.deepcopy(real))
-    saved, flops = _step(checkpointed, specs, values, loss_fn, plan.model)
+    plain, checkpointed = copy.deepcopy(real), compile_plan(plan)(copy.deepcopy(real))
+    with prepared_for_training(plain):  # the step the plan was made for (no key/value cache)
+        plain_saved, plain_flops = _step(plain, specs, values, loss_fn, plan.model)
+    with prepared_for_training(checkpointed):
+        saved, flops = _step(checkpointed, specs, values, loss_fn, plan.model)
     return PlanMeasurement(plan.batch, saved, plain_saved, flops, plain_flops)
 
 

@@ -672,7 +672,14 @@ register_workspace_rule(("aten.gelu_backward", "cpu"))(cpu_gelu_backward_workspa
 #     into an input-sized temporary. All of it dies with the op; the meta kernels show none of
 #     it. Measured with the profiler over contiguous, channels-last, transposed and expanded gradients
 #     and inputs, 2-D and 3-D, on torch 2.13 (tests/test_workspaces.py::test_cpu_pooling_backward_scratch);
-#     the ops without a rule here (adaptive max, 1-D padding, linear upsampling) were not measured.
+#     the ops without a rule here (1-D padding, linear upsampling) were not measured.
+#     Adaptive max pooling's backward (AdaptiveMaxPoolKernel.cpp, AdaptiveMaxPooling3d.cpp) differs:
+#     the 2-D kernel works in the layout the input suggests (its gradient input is allocated so), the
+#     3-D one in contiguous order always, and each copies the incoming gradient and the indices that
+#     are not dense in that layout, whatever layout they are dense in. 1-D pooling is the 2-D op on an
+#     unsqueezed input. Measured the same way over input, gradient and indices layouts, 2-D and 3-D
+#     (test_cpu_pooling_backward_scratch); the fuzzer's Embedding -> ReLU -> adaptive_max_pool1d, whose
+#     backward peaked copying a sum's expanded gradient, was 17% low without it.
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
@@ -705,6 +712,16 @@ def cpu_pooling_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any
         if index is not None and not index.is_contiguous(memory_format=kernel):
             nbytes += _bytes(index)
     return nbytes
+
+
+def cpu_adaptive_max_pool_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The gradient's and the indices' copies into the kernel's layout. See Note [CPU pooling and
+    padding backward copies]."""
+    grad, inp, indices = args[0], args[1], _arg(args, kwargs, 2, "indices", None)
+    if grad.dtype != torch.float32:
+        return 0
+    kernel = suggest_memory_format(inp) if inp.dim() == 4 else torch.contiguous_format
+    return sum((_bytes(t) for t in (grad, indices) if t is not None and not t.is_contiguous(memory_format=kernel)), 0)
 
 
 def cpu_upsample_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
@@ -798,6 +815,8 @@ for _op in _POOLING_BACKWARD:
     register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_pooling_backward_workspace)
 for _op, _at in _MAX_POOLING_BACKWARD.items():
     register_workspace_rule((f"aten.{_op}", "cpu"))(functools.partial(cpu_pooling_backward_workspace, indices=_at))
+for _op in ("adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward"):
+    register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_adaptive_max_pool_backward_workspace)
 for _op in _CONTIGUOUS_BACKWARD:
     register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_contiguous_backward_workspace)
 register_workspace_rule(("aten.upsample_nearest2d_backward", "cpu"))(cpu_upsample_backward_workspace)
