@@ -131,6 +131,10 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--tp", type=_positive_int, default=1, metavar="T", help="simulate one rank of tensor parallel over T ranks: parallelize_module itself runs on a fake process group, with the model's own plan (a HF model's _tp_plan) or --tp-plan; with --fsdp N, one rank of an N x T mesh")
     g.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: give the module at PATH (* one path component, e.g. layers.*.mlp.up_proj) a style: colwise or rowwise (also colwise_gather_output, embedding_rowwise, and for sequence parallel sequence_parallel, sequence_parallel_gather_output, colwise_gather_input, rowwise_scatter_output, sequence_shard_input); repeat for each; default the model's own plan")
     g.add_argument("--sp", action="store_true", help="with --tp: sequence parallel, the model's own plan for it (the norms and the residual stream split along the sequence between the tensor-parallel layers)")
+    g.add_argument("--pp", type=_positive_int, default=1, metavar="P", help="simulate every rank of pipeline parallel over P stages: the repeated blocks split into P contiguous stages (the embeddings on the first, the head and the loss on the last), torch's own schedule run on a fake process group; --batch is the microbatch")
+    g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M", help="with --pp: microbatches per step (a step takes M x --batch samples)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved is not simulated yet)")
+    g.add_argument("--pp-split", action="append", type=int, metavar="BLOCK", help="with --pp: the first block of each stage after the first (repeat P - 1 times; default as even as the blocks allow)")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
     g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
@@ -148,6 +152,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
         "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
+        "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "pp_splits": args.pp_split,
     }  # fmt: skip
 
 
@@ -345,6 +350,8 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         seq_len=_analysis_seq_len(args, spec), strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold, **_setup(args),
     )  # fmt: skip
     text = render(report, args.format, depth=args.depth, top=args.top)
+    if report.pipeline is not None and args.format in ("table", "markdown"):  # every rank of --pp beside the highest one's step
+        text += "\n" + report.pipeline.render(report.batch, report.seq_len)
     if args.plot:
         from fxmem.output.plot import plot_batches
 
@@ -417,6 +424,7 @@ def _check_measurable(args: argparse.Namespace) -> None:
     flags = {"--world-size": args.world_size != 1, "--shard": args.shard != "none", "--precision": bool(args.precision) and not fsdp_mixed}
     flags["--fsdp"] = args.fsdp != 1 and not args.peak  # one real rank per process: a whole step only
     flags["--tp"] = args.tp != 1 and not args.peak
+    flags["--pp"] = args.pp != 1 and not args.peak
     flags["--torch-version"] = args.torch_version is not None  # the real run is the installed torch's
     if not args.peak:
         flags |= {"--amp": args.amp is not None, "--optimizer-impl": args.optimizer_impl is not None, "--overhead": bool(args.overhead)}
@@ -436,6 +444,8 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     device = args.target  # a GPU measures what the GPU keeps
     if device == "cuda" and not torch.cuda.is_available():
         raise InputSpecError("measure --peak --target cuda runs the step on a GPU, and this machine has no CUDA device; use --target cpu here.")
+    if args.pp > 1:
+        return _measure_pipeline(args, spec, report, say)
     if args.fsdp > 1 or args.tp > 1:
         return _measure_ranks(args, spec, report, predicted, say)
     say(f"running one training step for real on the {device.upper()} at B={args.batch}")
@@ -471,6 +481,30 @@ def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, pr
         f"{table}\n\nPeak: highest rank {top} B, predicted {predicted.bytes} B ({error:+.2f}%); saved activations {exact} "
         f"({saved} B predicted). Measured with torch.profiler on each rank, gloo's own buffers left out as NCCL's are outside torch's allocator "
         "(see Note [Ranks of one real step] in fxmem/measure_ranks.py).\n"
+    )
+
+
+def _measure_pipeline(args: argparse.Namespace, spec: ModelSpec, report: Report, say: Callable[[str], None]) -> str:
+    """``measure --peak --pp P``: the real pipeline step on P CPU processes, each rank beside its simulated one."""
+    if args.target != "cpu" or args.amp is not None or args.optimizer_impl is not None:
+        raise InputSpecError("measure --peak --pp runs the ranks on this machine's CPU with gloo: give --target cpu, without --amp or --optimizer-impl.")
+    say(f"running one training step for real on {args.pp} CPU processes (torchrun, gloo) at B={args.batch} per microbatch")
+    ranks = measure_ranks(
+        materialize(spec.model), spec.inputs, args.batch, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, loss=spec.loss,
+        optimizer=get_optimizer(args.optimizer).name, first_step=args.first_step, seq_len=report.seq_len,
+    )  # fmt: skip
+    rows, worst = [], 0.0
+    for m, r in zip(ranks, report.pipeline.ranks):
+        predicted, saved = r.peak(args.batch, first_step=args.first_step), r.activations.at(args.batch, report.seq_len)
+        worst = max(worst, abs(predicted.bytes - m.peak) / m.peak if m.peak else 0.0)
+        rows.append([f"rank {m.rank} ({r.role})", format_bytes(m.peak), format_bytes(predicted.bytes), m.phase.value, format_bytes(m.saved), format_bytes(saved)])
+    step = "first step" if args.first_step else "steady step"
+    headers = ["", f"Peak measured ({step})", "predicted", "Phase", "Saved measured", "predicted"]
+    table = tabulate(rows, headers=headers, disable_numparse=True)
+    exact = "exact" if all(m.saved == r.activations.at(args.batch, report.seq_len) for m, r in zip(ranks, report.pipeline.ranks)) else "differ"
+    return (
+        f"{report.pipeline.plan.describe()}, B={args.batch} per microbatch\n{table}\n\nPeak: largest error over the ranks {100 * worst:.2f}%; "
+        f"saved per microbatch {exact}. Measured with torch.profiler on each rank (Note [Pipeline stages] in fxmem/parallel/pipeline.py).\n"
     )
 
 

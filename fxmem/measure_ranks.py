@@ -52,6 +52,7 @@ from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
 from fxmem.parallel import ParallelPlan, apply_plan, plan_mesh, tp_layers
+from fxmem.parallel.pipeline import PipelinePlan, pipeline_plan
 from fxmem.results import Phase
 from fxmem.step.state import get_optimizer
 
@@ -89,25 +90,32 @@ def measure_ranks(
     seq_len: int | None = None,
     mixed: bool = False,
     timeout: float = 600.0,
+    pp: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
 ) -> tuple[RankMeasurement, ...]:
     """Run one real training step of ``model`` on ``fsdp x tp`` CPU processes: sharded by FSDP2 over
     ``fsdp`` data-parallel ranks (``units`` wrapped first, then the root) and by tensor parallel over
     ``tp`` (``tp_plan``, default the model's own), composed as the simulation composes them
     (``apply_plan`` in fxmem/parallel); ``batch`` samples on each data-parallel rank; each rank's
-    measurement. ``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``."""
+    measurement. ``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
+    ``pp`` (P > 1, alone): pipeline parallel over P processes instead, ``microbatches`` microbatches of
+    ``batch`` samples each in the order ``schedule`` gives (fxmem/measure_pipeline.py)."""
     check_batch(batch)
     specs = parse_inputs(inputs)
     get_loss(loss), get_optimizer(optimizer)  # fail here, not in N processes
     name = type(model).__name__
     layers = tp_layers(model, tp, tp_plan, name) if isinstance(tp, int) and tp > 1 else ()
     plan = ParallelPlan(fsdp, tuple(units) if fsdp > 1 else (), mixed=mixed, tp=tp, tp_layers=layers)
-    if plan.world_size < 2:
-        raise InputSpecError(f"measure_ranks needs 2 or more processes (--fsdp N, --tp T); got fsdp={fsdp!r}, tp={tp!r}.")
+    pipeline = _pipeline(model, plan, pp, microbatches, schedule, name)
+    world = pipeline.stages if pipeline is not None else plan.world_size
+    if world < 2:
+        raise InputSpecError(f"measure_ranks needs 2 or more processes (--fsdp N, --tp T, --pp P); got fsdp={fsdp!r}, tp={tp!r}, pp={pp!r}.")
     torch.manual_seed(seed)
     real = materialize(model).train()
     config = {
         "model": real, "specs": specs, "batch": batch, "plan": plan, "loss": loss, "optimizer": optimizer, "first_step": first_step,
-        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "name": name,
+        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "name": name, "pipeline": pipeline,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fxmem-ranks-") as where:
         folder = Path(where)
@@ -115,12 +123,21 @@ def measure_ranks(
             torch.save(config, folder / "step.pt")
         except Exception as e:  # the ranks are other processes: the model reaches them pickled
             raise InputSpecError(
-                f"model '{name}' cannot be handed to the {plan.world_size} rank processes ({type(e).__name__}: "
+                f"model '{name}' cannot be handed to the {world} rank processes ({type(e).__name__}: "
                 f"{(str(e).strip().splitlines() or [''])[0][:200]}); define its class (and any function it holds) at "
                 "module level of an importable file, so that pickle can find it."
             ) from e
-        _launch(folder, plan.world_size, timeout, name)
-        return tuple(_read(folder / f"rank{r}.json") for r in range(plan.world_size))
+        _launch(folder, world, timeout, name)
+        return tuple(_read(folder / f"rank{r}.json") for r in range(world))
+
+
+def _pipeline(model: nn.Module, plan: ParallelPlan, pp: int, microbatches: int, schedule: str, name: str) -> PipelinePlan | None:
+    """The pipeline plan of a ``pp > 1`` run (None otherwise), which composes with nothing else yet."""
+    if pp == 1:
+        return None
+    if plan.world_size > 1:
+        raise InputSpecError(f"model '{name}': --pp {pp} with --fsdp or --tp is not modelled yet; measure one parallelism at a time.")
+    return pipeline_plan(model, pp, microbatches, schedule, name=name)
 
 
 def _launch(folder: Path, ranks: int, timeout: float, name: str) -> None:
@@ -165,6 +182,10 @@ def _rank_main(folder: Path) -> None:
     torch.set_num_threads(config["threads"])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if config["pipeline"] is not None:
+        (folder / f"rank{rank}.json").write_text(json.dumps(_pipeline_rank(config, rank)))
+        dist.destroy_process_group()
+        return
     model = config["model"].train()
     apply_plan(model, config["plan"], plan_mesh(config["plan"]), config["name"])
     specs, loss_fn, rule = config["specs"], get_loss(config["loss"]), get_optimizer(config["optimizer"])
@@ -194,6 +215,25 @@ def _rank_main(folder: Path) -> None:
     }  # fmt: skip
     (folder / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def _pipeline_rank(config: dict[str, Any], rank: int) -> dict[str, Any]:
+    """One pipeline rank's step measured as ``_rank_main`` measures a sharded one (fxmem/measure_pipeline.py)."""
+    from fxmem.measure_pipeline import PipelineRankStep
+
+    step = PipelineRankStep(config, rank)
+    if not config["first_step"]:
+        step.step(lambda _: contextlib.nullcontext())
+    baseline = sum(_storages(step.held()).values())
+    with _quiet_stderr(), _profiled() as prof:
+        step.step(_profiler_range)
+    top, _, phase, tops = _highest(prof, _backend_allocations)
+    everything, _, _, _ = _highest(prof)
+    saved = step.saved_bytes(config["batch"])
+    return {
+        "rank": rank, "peak": baseline + top, "phase": phase.value, "baseline": baseline, "saved": saved, "with_backend": baseline + everything,
+        "phases": {p.value: baseline + t for p, t in tops.items()},
+    }  # fmt: skip
 
 
 def _backend_allocations(allocations: list[Any]) -> set[int]:
