@@ -223,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but optimizer: a leaner optimizer changes the training)")
     pl.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
     pl.add_argument("--emit", metavar="FILE.py", help="write a runnable file that applies the best configuration (optimizer, autocast, accumulation, checkpointing)")
-    pl.add_argument("--verify", action="store_true", help="with --target cpu: apply the best configuration to the real model and measure one real step")
+    pl.add_argument("--verify", action="store_true", help="with --target cpu: apply the best configuration to the real model and measure one real step (a sharded one on as many real gloo processes)")
     sub.add_parser("zoo", help="list the zoo's models with their parameters and default inputs")
     return parser
 
@@ -576,7 +576,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         v = verify(found.best, spec.model, spec.inputs, loss=spec.loss, seq_len=args.seq_len)
         chosen = found.best.config.checkpoint
         saved = "" if v.measured_saved is None or chosen is None else f"; saved for backward {v.measured_saved} B measured, {chosen.saved_at_batch} B planned"
-        text += f"Verified: peak {v.measured_peak} B measured, {found.best.peak} B predicted ({100 * v.peak_error:+.2f}%){saved}.\n"
+        ranks = f" (the highest of {len(v.ranks)} real ranks: {', '.join(str(r.peak) for r in v.ranks)} B)" if v.ranks else ""
+        text += f"Verified: peak {v.measured_peak} B measured{ranks}, {found.best.peak} B predicted ({100 * v.peak_error:+.2f}%){saved}.\n"
     return text
 
 

@@ -122,6 +122,27 @@ def test_checkpointing_plans_verified_on_other_models(build: Callable[[], tuple[
     assert real.recompute_flops == best.config.checkpoint.recompute_flops
 
 
+def test_sharded_plan_verified_on_real_ranks() -> None:
+    """Memory halfway between one GPU's step at micro-batch 1 and one FSDP2 rank's: only sharding fits
+    (plain data parallel holds the whole state). verify runs the plan as two real gloo processes; each
+    rank's peak lies within the bound tests/test_parallel.py holds FSDP2 ranks to: rank 0, the rank
+    simulated, within 1%; none above it by more than one block's gathered weights (Note [Ranks of one
+    real step] in fxmem/measure_ranks.py)."""
+    model, inputs = _gpt()
+    one = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu")
+    rank = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu", fsdp=2)
+    memory = (one.step_bytes(1) + rank.step_bytes(1)) // 2
+    found = plan(model, inputs, loss=LOSS, target="cpu", gpus=2, memory=memory, global_batch=2, allow=["batch", "shard"])
+    best = found.best
+    assert best is not None and best.config.fsdp == 2 and [c.config.fsdp for c in found.fitting] == [2]
+    assert best.peak == rank.peak(1).bytes
+    proof = verify(best, model, inputs, loss=LOSS)
+    assert len(proof.ranks) == 2 and proof.measured_peak == max(r.peak for r in proof.ranks)
+    assert abs(proof.ranks[0].peak - best.peak) <= 0.01 * best.peak, [r.peak for r in proof.ranks]
+    unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    assert proof.measured_peak <= best.peak + unit + 0.01 * best.peak, [r.peak for r in proof.ranks]
+
+
 def test_nothing_fits_names_the_closest_and_its_shortfall(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
     model, inputs, report = long_gpt
     memory = report.peak(1).state  # not even the state beside anything else

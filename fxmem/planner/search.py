@@ -25,6 +25,7 @@ import copy
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -36,6 +37,9 @@ from fxmem.planner.emit import compile_plan
 from fxmem.report import Report
 from fxmem.step.sharding import fsdp_units
 from fxmem.step.training import DEFAULT_GPU
+
+if TYPE_CHECKING:
+    from fxmem.measure_ranks import RankMeasurement
 
 __all__ = ["DEFAULT_LEVERS", "LEVERS", "Candidate", "Config", "Plan", "Verification", "plan", "verify"]
 
@@ -371,6 +375,8 @@ class Verification:
     """The real step's peak (torch.profiler, fxmem.measure.measure_peak), steady step."""
     measured_saved: int | None
     """The real bytes saved for backward where the candidate checkpoints (fxmem/planner/verify.py), else None."""
+    ranks: tuple[RankMeasurement, ...] = ()
+    """A sharded candidate's real ranks (``measured_peak`` is the highest peak), else empty."""
 
     @property
     def peak_error(self) -> float:
@@ -381,16 +387,18 @@ class Verification:
 def verify(candidate: Candidate, model: nn.Module, inputs: InputSpecs, *, loss: str = "sum", seq_len: int | None = None) -> Verification:
     """Apply ``candidate`` to the real model (its checkpointing through the emitted code, its
     precision through autocast, its optimizer and implementation) and measure one real steady step
-    on this machine's CPU: the proof a plan made with ``target="cpu"`` is held to. Sharded candidates
-    are measured by ``fxmem measure --peak --fsdp/--tp`` instead (fxmem/measure_ranks.py)."""
+    on this machine's CPU: the proof a plan made with ``target="cpu"`` is held to. A sharded candidate
+    (FSDP2, tensor parallel) runs as that many real gloo processes (fxmem/measure_ranks.py)."""
     from fxmem.measure import materialize, measure_peak
     from fxmem.planner.verify import measure_plan
 
     config = candidate.config
-    if config.fsdp > 1 or config.tp > 1 or config.data_parallel > 1 or config.precision not in ("fp32", "amp"):
+    if config.fsdp > 1 or config.tp > 1:
+        return _verify_ranks(candidate, model, inputs, loss, seq_len)
+    if config.data_parallel > 1:
         raise InputSpecError(
-            f"verify runs one process with the model's own weights: {config.describe()} is measured by 'fxmem measure "
-            "--peak' with its own options (--fsdp, --tp), or plan with fewer levers (--allow batch,checkpoint,optimizer-impl)."
+            f"verify cannot run {config.describe()}: plain data parallel's gradient buckets are not simulated, so there is "
+            "nothing to hold a real run to; plan with --allow shard (FSDP2) or verify on one GPU (--gpus 1)."
         )
     real = materialize(model)
     if config.checkpoint is not None:
@@ -403,3 +411,27 @@ def verify(candidate: Candidate, model: nn.Module, inputs: InputSpecs, *, loss: 
     if config.checkpoint is not None:
         saved = measure_plan(model, inputs, config.checkpoint, loss=loss, seq_len=seq_len).saved
     return Verification(candidate, measured.bytes, saved)
+
+
+def _verify_ranks(candidate: Candidate, model: nn.Module, inputs: InputSpecs, loss: str, seq_len: int | None) -> Verification:
+    """The sharded candidate as real ranks: FSDP2 over ``fsdp`` and tensor parallel over ``tp`` gloo
+    processes, composed as the simulation composed them (``apply_plan``), each rank measured."""
+    from fxmem.measure_ranks import measure_ranks
+
+    config = candidate.config
+    unsupported = [
+        what
+        for what, present in (("activation checkpointing", config.checkpoint is not None), ("autocast", config.amp is not None),
+                              (f"the {config.optimizer_impl} optimizer", config.optimizer_impl is not None))
+        if present
+    ]  # fmt: skip
+    if unsupported:
+        raise InputSpecError(
+            f"verify cannot run {config.describe()} on real ranks yet: {', '.join(unsupported)} under FSDP2 or tensor "
+            "parallel is not applied by fxmem measure; plan with --allow batch,shard,precision to verify a sharded plan."
+        )
+    ranks = measure_ranks(
+        model, inputs, candidate.micro_batch, fsdp=config.fsdp, units=config.units, tp=config.tp,
+        tp_plan=dict(config.tp_plan) or None, loss=loss, optimizer=config.optimizer, seq_len=seq_len, mixed=config.precision == "mixed",
+    )  # fmt: skip
+    return Verification(candidate, max(r.peak for r in ranks), None, ranks)
