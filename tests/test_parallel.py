@@ -141,7 +141,7 @@ def test_cli_analyze_and_measure_with_fsdp(capsys: pytest.CaptureFixture[str]) -
 
     assert main(["analyze", "zoo:gpt2-small:test", "--target", "cpu", "--fsdp", "2", "--batch", "4"]) == 0
     text = capsys.readouterr().out
-    assert "2 GPUs, FSDP2 (fully_shard), one rank simulated" in text and "State per GPU (2 ranks, FSDP2 run)" in text
+    assert "2 GPUs, FSDP2 (fully_shard) 2, one rank simulated" in text and "State per GPU (2 ranks, FSDP2 run)" in text
     assert "FSDP2 buffers" in text and "one rank of FSDP2 over 2 (fully_shard on 2 units and the root)" in text
     assert main(["measure", "zoo:gpt2-small:test", "--peak", "--target", "cpu", "--fsdp", "2", "--batch", "4"]) == 0
     text = capsys.readouterr().out

@@ -135,6 +135,7 @@ def test_cli_analyze_and_measure_with_tp(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["analyze", "zoo:gpt2-small:test", "--target", "cpu", "--tp", "2", "--batch", "4"]) == 0
     out = capsys.readouterr().out
     assert "State per GPU (2 ranks, tensor parallel run)" in out
+    assert "2 GPUs, tensor parallel 2, one rank simulated" in out  # the header names the engine that ran
     assert main(["measure", "zoo:gpt2-small:test", "--peak", "--target", "cpu", "--tp", "2", "--batch", "4"]) == 0
     out = capsys.readouterr().out
     assert "rank 1" in out and "saved activations exact" in out

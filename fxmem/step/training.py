@@ -140,6 +140,11 @@ class TrainingSetup:
         """The parallelisms the real engine runs, in words ("" without one)."""
         return " x ".join(name for name, on in (("FSDP2", self.fsdp), ("tensor parallel", self.tp > 1)) if on)
 
+    def _engine_words(self) -> str:
+        """The engine's parallelisms with their degrees, for the header ("FSDP2 (fully_shard) 4 x tensor parallel 2")."""
+        words = [("FSDP2 (fully_shard)", self.world_size, self.fsdp), ("tensor parallel", self.tp, self.tp > 1)]
+        return " x ".join(f"{name} {degree}" for name, degree, on in words if on)
+
     @property
     def device(self) -> GpuSpec:
         """The GPU of a cuda target."""
@@ -190,8 +195,8 @@ class TrainingSetup:
         where = "cpu" if not self.cuda else f"cuda: {self.device.label}"
         parts = [where, f"precision {self.recipe}" + (f" (autocast {self.amp})" if self.amp else "")]
         if self.distributed:
-            how = "FSDP2 (fully_shard), one rank simulated" if self.engine else f"shard {self.shard}"
-            parts.append(f"{self.world_size} GPU{'s' if self.world_size > 1 else ''}, {how}")
+            how = f"{self._engine_words()}, one rank simulated" if self.engine else f"shard {self.shard}"
+            parts.append(f"{self.ranks} GPU{'s' if self.ranks > 1 else ''}, {how}")
         if self.optimizer_impl:
             parts.append(f"optimizer {self.optimizer_impl}")
         if self.torch_version is not None:
