@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -20,12 +21,22 @@ from fxmem.frontends.tracing import trace_model
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.parallel import ParallelPlan, default_tp_plan, one_rank, tp_layers
-from fxmem.parallel.pipeline import PipelinePlan, PipelineRank, PipelineRun, StageStep, pipeline_plan, simulate_stage, split_stages
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, Category, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.step.peak import StepPeaks
+from fxmem.step.pipeline import (
+    OneGpu,
+    PipelinePlan,
+    PipelineRank,
+    PipelineRun,
+    StageGraphs,
+    StageStep,
+    pipeline_plan,
+    simulate_stage,
+    split_stages,
+)
 from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
 from fxmem.step.sharding import engine_share, fsdp_units, shard_state, units_of
 from fxmem.step.state import get_optimizer, state_bytes
@@ -107,15 +118,25 @@ def analyze(
     a 2-D mesh of ``fsdp x tp`` ranks (Note [Tensor parallel plans] in fxmem/parallel/tensor.py).
     ``sp`` (with ``tp``) takes the model's sequence-parallel plan instead: the norms and the residual
     stream split along the sequence between the tensor-parallel layers (Note [Sequence parallel]).
-    ``pp`` (P > 1) splits the repeated blocks into P pipeline stages (``pp_splits``: the first block
-    of each stage after the first) and simulates every rank's step by running torch's own schedule
-    (``schedule``: "gpipe" or "1f1b") over ``microbatches`` microbatches of ``batch`` samples on a
-    fake process group (Note [Pipeline stages] in fxmem/parallel/pipeline.py): ``report.pipeline``
+    ``pp`` (P > 1) splits the repeated blocks into P pipeline stages (2P under "interleaved", two per
+    rank; ``pp_splits``: the first block of each stage after the first) and simulates every rank's
+    step by running torch's own schedule (``schedule``: "gpipe", "1f1b" or "interleaved") over
+    ``microbatches`` microbatches of ``batch`` samples on a
+    fake process group (Note [Pipeline stages] in fxmem/parallel/pipeline_split.py): ``report.pipeline``
     holds each rank, and ``report.peak`` is the highest rank's.
     """
     name = name or type(model).__name__
     if pp != 1:
-        return _pipelined(model, inputs, pp, microbatches, schedule, pp_splits, name, fsdp, tp, peak, locals())
+        one_gpu = functools.partial(
+            analyze, model, inputs, loss=loss, optimizer=optimizer, param_dtype=param_dtype, batch=batch, device_memory=device_memory,
+            name=name, leaf_types=leaf_types, frontend=frontend, seq_len=seq_len, strict=strict, peak=False, progress=progress,
+            target=target, gpu=gpu, amp=amp, precision=precision, world_size=world_size, shard=shard, optimizer_impl=optimizer_impl,
+            overheads=overheads, bn_threshold=bn_threshold, torch_version=torch_version,
+        )  # fmt: skip
+        return _pipelined(
+            model, one_gpu, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, name=name, fsdp=fsdp, tp=tp, sp=sp,
+            peak=peak, optimizer=optimizer, leaf_types=leaf_types, frontend=frontend, progress=progress,
+        )  # fmt: skip
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
     specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
@@ -153,7 +174,8 @@ def analyze(
 
 def _pipelined(
     model: nn.Module,
-    inputs: InputSpecs,
+    one_gpu: Callable[[], Report],
+    *,
     pp: int,
     microbatches: int,
     schedule: str,
@@ -161,56 +183,57 @@ def _pipelined(
     name: str,
     fsdp: int,
     tp: int,
+    sp: bool,
     peak: bool,
-    options: Mapping[str, object],
+    optimizer: str,
+    leaf_types: tuple[type, ...],
+    frontend: str,
+    progress: Callable[[str], None] | None,
 ) -> Report:
     """``analyze`` with ``pp`` pipeline stages: the whole model's saved bytes per node (a pipeline
-    moves no node's), and every rank's step simulated (fxmem/parallel/pipeline.py)."""
-    if fsdp != 1 or tp != 1 or not peak:
+    moves no node's; ``one_gpu`` analyzes it without a step), and every rank's step simulated
+    (fxmem/step/pipeline.py)."""
+    if fsdp != 1 or tp != 1 or sp or not peak:
         raise InputSpecError(
-            f"model '{name}': --pp {pp} simulates each rank's step alone; with --fsdp, --tp or --no-peak (peak=False) it is not modelled yet."
+            f"model '{name}': --pp {pp} simulates each rank's step alone; with --fsdp, --tp, --sp or --no-peak (peak=False) it is not modelled yet."
         )
     plan = pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name)
-    keep = {k: v for k, v in options.items() if k not in _PIPELINE_OPTIONS}
-    whole = analyze(model, inputs, **{**keep, "peak": False})  # type: ignore[arg-type]
-    say = keep.get("progress") or _silent
-    setup = whole.setup
-    traced = trace_model(model, whole.inputs, name=name, leaf_types=_leaf_types(keep), frontend=str(keep["frontend"]))
-    stages = split_stages(traced.gm, plan, name)
-    ranks = tuple(_pipeline_rank(stages, r, plan, whole, setup, str(keep["optimizer"]), say) for r in range(pp))  # type: ignore[arg-type]
+    whole = one_gpu()
+    say = progress or _silent
+    traced = trace_model(model, whole.inputs, name=name, leaf_types=leaf_types, frontend=frontend)
+    graphs = split_stages(traced.gm, plan, name)
+    ranks = tuple(_pipeline_rank(graphs, r, plan, whole, whole.setup, optimizer, say) for r in range(pp))
     highest = max(ranks, key=lambda r: r.peak(whole.batch).bytes)
     highest.steps.path = f"rank {highest.rank} of {plan.describe()}, the highest at B={whole.batch}"
-    return replace(whole, steps=highest.steps, pipeline=PipelineRun(plan, ranks))
-
-
-_PIPELINE_OPTIONS = ("model", "inputs", "pp", "microbatches", "schedule", "pp_splits", "fsdp", "tp", "peak", "fsdp_units", "tp_plan", "sp")
-
-
-def _leaf_types(options: Mapping[str, object]) -> tuple[type, ...]:
-    leaf = options.get("leaf_types", ())
-    return tuple(leaf) if isinstance(leaf, tuple) else ()
+    state = whole.state
+    held = OneGpu(state.weights + state.buffers + state.master + state.optimizer, whole.activation_bytes)
+    return replace(whole, steps=highest.steps, pipeline=PipelineRun(plan, ranks, held))
 
 
 def _pipeline_rank(
-    stages: tuple[fx.GraphModule, ...], rank: int, plan: PipelinePlan, whole: Report, setup: TrainingSetup, optimizer: str, say: Callable[[str], None]
+    graphs: StageGraphs, rank: int, plan: PipelinePlan, whole: Report, setup: TrainingSetup, optimizer: str, say: Callable[[str], None]
 ) -> PipelineRank:
     """One rank's simulated steps: symbolic in B (its saved bytes per node from it), B=1, others on demand."""
     opt = get_optimizer(optimizer)
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     loss = get_loss(whole.loss)
 
+    marks: dict[int | None, tuple[tuple[int, int], ...]] = {}
+
     def simulate(b: int | None) -> StageStep:
         say(f"simulating pipeline rank {rank} at " + ("B symbolic" if b is None else f"B={b}"))
-        return simulate_stage(
-            stages, rank, plan, whole.inputs, loss=loss, optimizer=opt, batch=b, rules=op_rules_for(setup.target),
+        step = simulate_stage(
+            graphs, rank, plan, whole.inputs, loss=loss, optimizer=opt, batch=b, rules=op_rules_for(setup.target),
             workspaces=workspace_rules_for(setup.target), model=whole.model, seq=whole.seq_len if b else None, kernels=setup.kernels(),
             optimizer_impl=impl, state_dtype=setup.state_dtype, layouts=layout_rules_for(setup.target),
         )  # fmt: skip
+        marks[b] = step.marks
+        return step
 
     symbolic = simulate(None)
     steps = StepPeaks(symbolic.timeline, {}, lambda b: simulate(b).timeline, whole.seq_len, make_batch_one=lambda: simulate(1).timeline)
     params = sum(v.fixed for c, v in symbolic.timeline.baseline.items() if c == Category.PARAMETER)
-    return PipelineRank(rank, plan.role(rank), plan.blocks(rank), params, symbolic.saved, steps)
+    return PipelineRank(rank, plan.role(rank), plan.blocks(rank), params, symbolic.saved, steps, marks)
 
 
 def _state(
@@ -555,7 +578,9 @@ def _sequence_plan(model: nn.Module, tp: int, tp_plan: Mapping[str, str] | None,
     if tp == 1:
         raise InputSpecError("sp (--sp) splits the sequence among tensor-parallel ranks: pass tp=T (--tp T) with T > 1 too.")
     if tp_plan is not None:
-        raise InputSpecError("sp (--sp) takes the model's own sequence-parallel plan; with tp_plan= (--tp-plan), write the sequence styles in it instead.")
+        raise InputSpecError(
+            "sp (--sp) takes the model's own sequence-parallel plan; with tp_plan= (--tp-plan), write the sequence styles in it instead."
+        )
     return default_tp_plan(model, sequence_parallel=True, name=name)
 
 

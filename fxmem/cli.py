@@ -32,6 +32,7 @@ from fxmem.gpu.gpus import GPUS
 from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse_inputs, parse_size
 from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
 from fxmem.measure_ranks import measure_ranks
+from fxmem.output.pipeline import render_pipeline
 from fxmem.output.render import FORMATS, MAX_ROWS, format_bytes, render, render_timeline
 from fxmem.parallel import default_tp_plan
 from fxmem.planner.search import DEFAULT_LEVERS, LEVERS
@@ -133,8 +134,8 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--sp", action="store_true", help="with --tp: sequence parallel, the model's own plan for it (the norms and the residual stream split along the sequence between the tensor-parallel layers)")
     g.add_argument("--pp", type=_positive_int, default=1, metavar="P", help="simulate every rank of pipeline parallel over P stages: the repeated blocks split into P contiguous stages (the embeddings on the first, the head and the loss on the last), torch's own schedule run on a fake process group; --batch is the microbatch")
     g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M", help="with --pp: microbatches per step (a step takes M x --batch samples)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved is not simulated yet)")
-    g.add_argument("--pp-split", action="append", type=int, metavar="BLOCK", help="with --pp: the first block of each stage after the first (repeat P - 1 times; default as even as the blocks allow)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved runs 2 stages per rank, ScheduleInterleaved1F1B)")
+    g.add_argument("--pp-split", action="append", type=int, metavar="BLOCK", help="with --pp: the first block of each stage after the first (repeat P - 1 times, 2P - 1 with --schedule interleaved; default as even as the blocks allow)")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
     g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
@@ -351,7 +352,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     )  # fmt: skip
     text = render(report, args.format, depth=args.depth, top=args.top)
     if report.pipeline is not None and args.format in ("table", "markdown"):  # every rank of --pp beside the highest one's step
-        text += "\n" + report.pipeline.render(report.batch, report.seq_len)
+        text += "\n" + render_pipeline(report.pipeline, report.batch, report.seq_len)
     if args.plot:
         from fxmem.output.plot import plot_batches
 
@@ -504,7 +505,7 @@ def _measure_pipeline(args: argparse.Namespace, spec: ModelSpec, report: Report,
     exact = "exact" if all(m.saved == r.activations.at(args.batch, report.seq_len) for m, r in zip(ranks, report.pipeline.ranks)) else "differ"
     return (
         f"{report.pipeline.plan.describe()}, B={args.batch} per microbatch\n{table}\n\nPeak: largest error over the ranks {100 * worst:.2f}%; "
-        f"saved per microbatch {exact}. Measured with torch.profiler on each rank (Note [Pipeline stages] in fxmem/parallel/pipeline.py).\n"
+        f"saved per microbatch {exact}. Measured with torch.profiler on each rank (Note [Pipeline schedules on a fake group] in fxmem/step/pipeline.py).\n"
     )
 
 

@@ -1,10 +1,11 @@
 """The truth for a pipeline step: one rank of ``measure_ranks``'s real gloo run, its stage cut from the
-real model as the simulation cuts it (``split_stages`` in fxmem/parallel/pipeline.py) and run by
+real model as the simulation cuts it (``split_stages`` in fxmem/parallel/pipeline_split.py) and run by
 torch's own ``PipelineStage`` and schedule, ``step()`` as a training loop calls it.
 
 What a rank holds before its step (its baseline) is its stage's parameters and buffers, the batch
 (first stage) or the targets (last stage), the optimizer state of a steady step, and the receive
-buffers the stage made in its first step and keeps (Note [Pipeline stages]). Its saved bytes are
+buffers the stage made in its first step and keeps (Note [Pipeline schedules on a fake group] in
+fxmem/step/pipeline.py). Its saved bytes are
 those autograd saves in one microbatch's forward through the stage (and, on the last stage, its
 loss), each storage once, leaving out that baseline: what the simulation calls the rank's saved
 bytes per microbatch.
@@ -21,12 +22,21 @@ from torch import fx, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxmem.engine.binding import bind_inputs, storage_of
-from fxmem.engine.losses import Loss, get_loss
+from fxmem.engine.losses import get_loss
 from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import make_input
 from fxmem.measure import _optimizer
-from fxmem.parallel.pipeline import PipelinePlan, build_schedule, receive_buffers, split_stages, stage_examples
 from fxmem.results import Phase
+from fxmem.step.pipeline import (
+    PipelinePlan,
+    StageGraphs,
+    StageLoss,
+    build_schedule,
+    receive_buffers,
+    schedule_stages,
+    split_stages,
+    stage_examples,
+)
 from fxmem.step.state import get_optimizer
 
 __all__ = ["PipelineRankStep"]
@@ -48,34 +58,44 @@ class _Ranged(nn.Module):
 
 
 class PipelineRankStep:
-    """One rank's stage and schedule, built from the config ``measure_ranks`` hands every rank."""
+    """One rank's stages and schedule, built from the config ``measure_ranks`` hands every rank."""
 
     def __init__(self, config: dict[str, Any], rank: int) -> None:
         plan: PipelinePlan = config["pipeline"]
         self.plan, self.rank, self.name = plan, rank, config["name"]
         model, specs = config["model"].train(), config["specs"]
-        stages = split_stages(trace_model(model, specs, name=self.name).gm, plan, self.name)
-        self.loss_rule: Loss = get_loss(config["loss"])
+        graphs = split_stages(trace_model(model, specs, name=self.name).gm, plan, self.name)
+        self.last_loss = StageLoss(get_loss(config["loss"]), self.name, graphs.loss)
         torch.manual_seed(config["seed"])
         whole = [make_input(s, plan.microbatches * config["batch"], config["seq_len"]) for s in specs]
-        self.values = bind_inputs(stages[0], specs, whole, self.name)
+        bound = bind_inputs(graphs.whole, specs, whole, self.name)
+        self.values = graphs.first_inputs(bound)
         first = [v[: config["batch"]] if isinstance(v, torch.Tensor) else v for v in self.values]
-        example_in, example_out = stage_examples(stages, rank, first)
+        local = plan.local(rank)
+        examples = [stage_examples(graphs.stages, s, first) for s in local]
         self.around: list[Around] = [lambda _: contextlib.nullcontext()]
-        self.module = _Ranged(stages[rank], self.around)
-        self.last = rank == plan.stages - 1
-        out = self.loss_rule.select(example_out[0] if len(example_out) == 1 else example_out, self.name)
-        self.target = self.loss_rule.make_target(torch.cat([out] * plan.microbatches)) if self.last else None
-        self.schedule = build_schedule(self.module, rank, plan, example_in, example_out, self._loss)
-        self._range_backward()
-        self.opt = _optimizer(self.module, get_optimizer(config["optimizer"]))
+        self.modules = nn.ModuleList(_Ranged(graphs.stages[s], self.around) for s in local)
+        self.last = local[-1] == len(graphs.stages) - 1
+        self.target = self._target(graphs, bound, examples[-1][1]) if self.last else None
+        self.schedule = build_schedule(list(self.modules), rank, plan, examples, self._loss)
+        self.stages = schedule_stages(self.schedule)
+        for stage in self.stages:
+            self._range_backward(stage)
+        self.opt = _optimizer(self.modules, get_optimizer(config["optimizer"]))
+
+    def _target(self, graphs: StageGraphs, bound: list[Any], example_out: tuple[torch.Tensor, ...]) -> Any:
+        """The whole batch's target, which the schedule splits into microbatches: the labels the
+        model reads on its last stage (Note [Labels as the target]), or one the loss rule makes."""
+        if graphs.target is not None:
+            return self.last_loss.target(graphs, bound, example_out)
+        out = self.last_loss.rule.select(example_out[0] if len(example_out) == 1 else example_out, self.name)
+        return self.last_loss.rule.make_target(torch.cat([out] * self.plan.microbatches))
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         with self.around[0](Phase.LOSS):
-            return self.loss_rule.compute(self.loss_rule.select(output, self.name), target)
+            return self.last_loss(output, target)
 
-    def _range_backward(self) -> None:
-        stage = self.schedule._stage
+    def _range_backward(self, stage: Any) -> None:
         original = stage.backward_one_chunk
 
         def backward(*args: Any, **kwargs: Any) -> Any:
@@ -97,15 +117,15 @@ class PipelineRankStep:
 
     def held(self) -> list[torch.Tensor]:
         """What exists before a step: state, batch or targets, receive buffers (see the module docstring)."""
-        found = [*self.module.parameters(), *self.module.buffers(), *receive_buffers(self.schedule._stage)]
+        found = [*self.modules.parameters(), *self.modules.buffers(), *(t for s in self.stages for t in receive_buffers(s))]
         found += [v for v in self.values if isinstance(v, torch.Tensor)] if self.rank == 0 else []
         found += [self.target] if isinstance(self.target, torch.Tensor) else []
         found += [t for state in self.opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         return found
 
     def saved_bytes(self, batch: int) -> int:
-        """Bytes autograd saves in one microbatch's forward (and loss, last stage), each storage once,
-        the baseline left out."""
+        """Bytes autograd saves in one microbatch's forward through each of the rank's stages (and the
+        loss, on the last), each storage once, the baseline left out."""
         held = {StorageWeakRef(storage_of(t)) for t in self.held()}
         saved: dict[StorageWeakRef, torch.UntypedStorage] = {}
 
@@ -114,22 +134,23 @@ class PipelineRankStep:
             saved.setdefault(StorageWeakRef(storage), storage)
             return t
 
-        inputs = self._first_inputs(batch)
+        roots = []
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.module(*inputs)
-            if self.last:
-                target = self.target[:batch] if isinstance(self.target, torch.Tensor) else None
-                out = self._loss(out, target)
+            for module, stage in zip(self.modules, self.stages, strict=True):
+                out = module(*self._first_inputs(stage, batch))
+                if stage.is_last:
+                    target = self.target[:batch] if isinstance(self.target, torch.Tensor) else None
+                    out = self._loss(out, target)
+                roots += list(out) if isinstance(out, tuple) else [out]
         total = sum(s.nbytes() for key, s in saved.items() if key not in held)
-        outputs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+        torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
         self.opt.zero_grad(set_to_none=True)
         return total
 
-    def _first_inputs(self, batch: int) -> list[Any]:
+    def _first_inputs(self, stage: Any, batch: int) -> list[Any]:
         """The first microbatch's inputs as the stage receives them: the batch's first samples (first
         stage) or its first receive buffers, as a leaf that requires gradients."""
-        if self.rank == 0:
+        if stage.is_first:
             return [v[:batch] if isinstance(v, torch.Tensor) else v for v in self.values]
-        infos = self.schedule._stage.args_recv_info[0]
+        infos = stage.args_recv_info[0]
         return [i.buffer.detach().requires_grad_(i.buffer.is_floating_point()) for i in infos]

@@ -52,8 +52,8 @@ from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
 from fxmem.parallel import ParallelPlan, apply_plan, plan_mesh, tp_layers
-from fxmem.parallel.pipeline import PipelinePlan, pipeline_plan
 from fxmem.results import Phase
+from fxmem.step.pipeline import PipelinePlan, pipeline_plan
 from fxmem.step.state import get_optimizer
 
 __all__ = ["RankMeasurement", "measure_ranks"]
@@ -110,7 +110,9 @@ def measure_ranks(
     pipeline = _pipeline(model, plan, pp, microbatches, schedule, name)
     world = pipeline.stages if pipeline is not None else plan.world_size
     if world < 2:
-        raise InputSpecError(f"measure_ranks needs 2 or more processes (--fsdp N, --tp T, --pp P); got fsdp={fsdp!r}, tp={tp!r}, pp={pp!r}.")
+        raise InputSpecError(
+            f"measure_ranks needs 2 or more processes (--fsdp N, --tp T, --pp P); got fsdp={fsdp!r}, tp={tp!r}, pp={pp!r}."
+        )
     torch.manual_seed(seed)
     real = materialize(model).train()
     config = {

@@ -17,6 +17,7 @@ from fxmem.errors import NotSimulatedError
 from fxmem.gpu.gpus import get_gpu
 from fxmem.inputs import InputSpec, check_batch
 from fxmem.output.html_report import to_html
+from fxmem.output.pipeline import render_pipeline
 from fxmem.output.render import Depth, group_layers, render, to_dict
 from fxmem.results import Accounting, EnvelopePiece, LayerRow, NodeRecord, Peak, StateBytes, Timeline, Verdict
 from fxmem.symbolic import ByteExpr
@@ -62,7 +63,7 @@ class Report:
     fsdp_units: tuple[str, ...] = ()
     """With ``--fsdp``: the modules fully_shard wrapped as units before the root."""
     pipeline: Any = None
-    """With ``--pp``: every rank of the pipeline (a ``fxmem.parallel.pipeline.PipelineRun``); ``steps`` is then the highest rank's."""
+    """With ``--pp``: every rank of the pipeline (a ``fxmem.parallel.pipeline_report.PipelineRun``); ``steps`` is then the highest rank's."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -211,7 +212,7 @@ class Report:
     def __str__(self) -> str:
         """The terminal's report: the answer first, then the layers grouped to fit a screen (fxmem/output/render.py)."""
         text = render(self)
-        return text if self.pipeline is None else f"{text}\n{self.pipeline.render(self.batch, self.seq_len)}"
+        return text if self.pipeline is None else f"{text}\n{render_pipeline(self.pipeline, self.batch, self.seq_len)}"
 
     def _repr_html_(self) -> str:
         """What Jupyter shows for a bare ``report`` instead of the dataclass repr: the same report as ``str``,

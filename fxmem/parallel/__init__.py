@@ -10,17 +10,19 @@ ends in the graph (the graph has no module calls left to fire them: ``ModuleScop
 fxmem/engine/module_hooks.py). The capture and the step run as on one GPU; what the engine
 allocates (FSDP2's all-gathers, gathered weights and reduce-scatter buffers, tensor parallel's
 all-reduces) is what its own code allocates there. ``apply_plan`` applies the same plan to a real
-model in a real process group (fxmem/measure_ranks.py). Pipeline parallel (pipeline.py) splits the
-traced graph into stages and runs torch's own pipeline schedule on every rank (Note [Pipeline stages]).
+model in a real process group (fxmem/measure_ranks.py). Pipeline parallel is planned and the traced
+graph split into stages here (pipeline_split.py, Note [Pipeline stages]); each rank's step, torch's own
+pipeline schedule run on a fake process group, is simulated a stage up, in fxmem/step/pipeline.py.
 """
 
 from fxmem.parallel.fake_group import fake_world
 from fxmem.parallel.fsdp import gathered_parameters
-from fxmem.parallel.pipeline import PipelinePlan, PipelineRank, PipelineRun, pipeline_plan, simulate_stage, split_stages
+from fxmem.parallel.pipeline_report import PipelineRank, PipelineRun
+from fxmem.parallel.pipeline_split import PipelinePlan, pipeline_plan, split_stages
 from fxmem.parallel.rank import ParallelPlan, apply_plan, one_rank, plan_mesh, shard_graph
 from fxmem.parallel.tensor import TpLayer, default_tp_plan, resolve_tp_plan, tp_layers
 
 __all__ = [
     "ParallelPlan", "PipelinePlan", "PipelineRank", "PipelineRun", "TpLayer", "apply_plan", "default_tp_plan", "fake_world", "gathered_parameters", "one_rank", "pipeline_plan", "plan_mesh", "resolve_tp_plan",
-    "shard_graph", "simulate_stage", "split_stages", "tp_layers",
+    "shard_graph", "split_stages", "tp_layers",
 ]  # fmt: skip
