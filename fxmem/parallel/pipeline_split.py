@@ -1,5 +1,5 @@
 """Pipeline parallel, the plan: which blocks each stage runs, and the traced graph cut into one
-GraphModule per stage (the simulation of each rank's step is fxmem/parallel/pipeline.py).
+GraphModule per stage (the simulation of each rank's step is fxmem/step/pipeline.py).
 
 Note [Pipeline stages]
     The split is torchtitan's manual one (torchtitan/distributed/pipeline_parallel.py,
