@@ -199,6 +199,14 @@ def _pipelined(
         )
     plan = pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name)
     whole = one_gpu()
+    if whole.setup is not None and whole.setup.cuda:
+        warnings.warn(
+            f"--pp {pp} on the cuda target: each rank's peak is the bytes its tensors hold; the caching allocator's rounding and "
+            "the device's fixed costs are not replayed per pipeline rank yet, so the device total and the largest batch are "
+            "read off the tensors alone (use --target cpu to compare with a real CPU run).",
+            FxmemWarning,
+            stacklevel=3,
+        )
     say = progress or _silent
     traced = trace_model(model, whole.inputs, name=name, leaf_types=leaf_types, frontend=frontend)
     graphs = split_stages(traced.gm, plan, name)

@@ -155,6 +155,13 @@ def test_cli_analyze_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "2 blocks in 'blocks' cannot fill 4 pipeline stages" in err and len(err.strip().splitlines()) == 1
 
 
+def test_cuda_target_says_the_allocator_is_not_replayed(capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank's peak on the cuda target is its tensors' bytes: the CLI says so, once, on stderr."""
+    assert main(["analyze", "zoo:gpt2-small:test", "--pp", "2", "--microbatches", "2", "--batch", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("not replayed per pipeline rank yet") == 1
+
+
 LLAMA_INPUTS = {"input_ids": "B,64:int64", "labels": "B,64:int64"}
 LLAMA_BATCH, LLAMA_MICRO = 2, 2
 
