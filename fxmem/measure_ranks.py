@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxmem.engine.binding import storage_of
 from fxmem.engine.losses import get_loss
+from fxmem.engine.recompute import selective_caches
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
@@ -93,6 +94,7 @@ def measure_ranks(
     pp: int = 1,
     microbatches: int = 1,
     schedule: str = "1f1b",
+    prepare: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[RankMeasurement, ...]:
     """Run one real training step of ``model`` on ``fsdp x tp`` CPU processes: sharded by FSDP2 over
     ``fsdp`` data-parallel ranks (``units`` wrapped first, then the root) and by tensor parallel over
@@ -100,7 +102,9 @@ def measure_ranks(
     (``apply_plan`` in fxmem/parallel); ``batch`` samples on each data-parallel rank; each rank's
     measurement. ``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
     ``pp`` (P > 1, alone): pipeline parallel over P processes instead, ``microbatches`` microbatches of
-    ``batch`` samples each in the order ``schedule`` gives (fxmem/measure_pipeline.py)."""
+    ``batch`` samples each in the order ``schedule`` gives (fxmem/measure_pipeline.py). ``prepare``
+    (picklable: a module-level function or a ``functools.partial`` of one) is applied to each rank's
+    model before it is sharded, as a user applies activation checkpointing before ``fully_shard``."""
     check_batch(batch)
     specs = parse_inputs(inputs)
     get_loss(loss), get_optimizer(optimizer)  # fail here, not in N processes
@@ -117,7 +121,7 @@ def measure_ranks(
     real = materialize(model).train()
     config = {
         "model": real, "specs": specs, "batch": batch, "plan": plan, "loss": loss, "optimizer": optimizer, "first_step": first_step,
-        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "name": name, "pipeline": pipeline,
+        "seed": seed, "seq_len": seq_len, "threads": torch.get_num_threads(), "name": name, "pipeline": pipeline, "prepare": prepare,
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fxmem-ranks-") as where:
         folder = Path(where)
@@ -189,6 +193,8 @@ def _rank_main(folder: Path) -> None:
         dist.destroy_process_group()
         return
     model = config["model"].train()
+    if config["prepare"] is not None:
+        model = config["prepare"](model)
     apply_plan(model, config["plan"], plan_mesh(config["plan"]), config["name"])
     specs, loss_fn, rule = config["specs"], get_loss(config["loss"]), get_optimizer(config["optimizer"])
     torch.manual_seed(config["seed"])
@@ -286,9 +292,11 @@ def _saved_bytes(model: nn.Module, args: list[Any], kwargs: dict[str, Any], loss
         saved.setdefault(StorageWeakRef(storage), storage)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), selective_caches() as caches:
         out = model(*args, **kwargs)
         value = loss.compute(loss.select(out, name), target)
+    for t in (t for cache in caches for t in cache.new()):  # what a selective checkpoint's policy kept for backward
+        pack(t)
     excluded = set(_storages(held)) | set(_storages(_gathered(model)))
     total = sum(s.nbytes() for key, s in saved.items() if key not in excluded)
     value.backward()

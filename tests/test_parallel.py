@@ -3,6 +3,7 @@ for real on two CPU processes (torchrun, gloo), each rank measured with the prof
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -199,3 +200,21 @@ def test_hooks_that_fail_name_the_module(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(rank, "shard_graph", shard_and_refuse)
     with pytest.raises(fxmem.CaptureError, match=r"forward pre-hooks of module 'blocks\.1' .* node 'blocks_1_ln1'"):
         fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2)
+
+
+def test_checkpointed_model_keeps_its_checkpoints_on_a_rank() -> None:
+    """FSDP2 shards state, not activations: a rank of a checkpointed model saves what one GPU saves for
+    the same checkpointed model (the rank's graph is a copy whose checkpointed regions must follow it;
+    without that the rank ran unchecked, saving the plain model's bytes)."""
+    from fxmem.planner.checkpoint import plan_checkpointing
+    from fxmem.planner.emit import compile_plan
+    from fxmem.step.sharding import fsdp_units
+
+    model, inputs = _gpt()
+    plain = fxmem.analyze(model, inputs, loss="lm_cross_entropy", batch=2, target="cpu")
+    chosen = plan_checkpointing(model, inputs, list(fsdp_units(model)), budget=plain.activation_bytes(1) // 2, batch=1, loss="lm_cross_entropy")
+    checkpointed = compile_plan(chosen)(copy.deepcopy(model))
+    one = fxmem.analyze(checkpointed, inputs, loss="lm_cross_entropy", batch=2, target="cpu")
+    rank = fxmem.analyze(checkpointed, inputs, loss="lm_cross_entropy", batch=2, target="cpu", fsdp=2)
+    assert one.activation_bytes(2) < plain.activation_bytes(2)
+    assert rank.activation_bytes(2) == one.activation_bytes(2)

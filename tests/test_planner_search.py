@@ -143,6 +143,22 @@ def test_sharded_plan_verified_on_real_ranks() -> None:
     assert proof.measured_peak <= best.peak + unit + 0.01 * best.peak, [r.peak for r in proof.ranks]
 
 
+def test_checkpointing_under_fsdp2_verified_on_real_ranks(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
+    """Two GPUs, a budget a third of the saved activations below one FSDP2 rank's step at micro-batch 1:
+    the planner checkpoints under FSDP2 too (the chooser's budget is in the activations, which FSDP2
+    does not divide). Each real rank applies the plan itself before ``fully_shard``, as the emitted
+    code does: its saved bytes are the plan's, and the rank simulated (rank 0) peaks within 1%."""
+    model, inputs, _ = long_gpt
+    rank = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu", fsdp=2)
+    memory = rank.step_bytes(1) - rank.activation_bytes(1) // 3
+    found = plan(model, inputs, loss=LOSS, target="cpu", gpus=2, memory=memory, allow=["batch", "shard", "checkpoint"])
+    sharded = next(c for c in found.fitting if c.config.fsdp == 2)
+    assert sharded.config.checkpoint is not None and sharded.total <= memory
+    proof = verify(sharded, model, inputs, loss=LOSS)
+    assert [r.saved for r in proof.ranks] == [sharded.config.checkpoint.saved_at_batch] * 2
+    assert abs(proof.ranks[0].peak - sharded.peak) <= 0.01 * sharded.peak, ([r.peak for r in proof.ranks], sharded.peak)
+
+
 def test_nothing_fits_names_the_closest_and_its_shortfall(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
     model, inputs, report = long_gpt
     memory = report.peak(1).state  # not even the state beside anything else

@@ -20,6 +20,7 @@ from fxmem.engine.binding import fake_like
 from fxmem.engine.capture import node_fqn
 from fxmem.engine.module_hooks import ModuleScopes, within
 from fxmem.errors import InputSpecError
+from fxmem.frontends.checkpointing import copy_regions
 from fxmem.parallel.fake_group import fake_world
 from fxmem.parallel.fsdp import fsdp_policy, shard_units
 from fxmem.parallel.tensor import TpLayer, apply_tp
@@ -121,6 +122,7 @@ def shard_graph(gm: fx.GraphModule, plan: ParallelPlan, meshes: Meshes, mode: Fa
         for t in (*gm.parameters(), *gm.buffers()):
             memo.setdefault(id(t), fake_like(t))
     sharded = copy.deepcopy(gm, memo)
+    copy_regions(gm, sharded)
     with mode, _meshes_outside():
         apply_plan(sharded, plan, meshes, model)
     return sharded

@@ -23,7 +23,7 @@ from torch import nn
 
 from fxmem.planner.checkpoint import CheckpointPlan
 
-__all__ = ["compile_plan", "emit_source"]
+__all__ = ["apply_plan_to", "compile_plan", "emit_source"]
 
 _TEMPLATE = '''\
 """Activation checkpointing for {model} at batch {batch}, chosen by fxmem: {saved} bytes saved for backward
@@ -110,3 +110,9 @@ def compile_plan(plan: CheckpointPlan) -> Callable[[nn.Module], nn.Module]:
     namespace: dict[str, Any] = {"__name__": f"fxmem_plan_{plan.model}"}
     exec(compile(emit_source(plan), f"<fxmem checkpoint plan for {plan.model}>", "exec"), namespace)
     return cast(Callable[[nn.Module], nn.Module], namespace["apply_checkpointing"])
+
+
+def apply_plan_to(plan: CheckpointPlan, model: nn.Module) -> nn.Module:
+    """``compile_plan(plan)(model)`` as a module-level function, so that ``functools.partial(apply_plan_to,
+    plan)`` pickles: real ranks in other processes apply the plan themselves (fxmem/measure_ranks.py)."""
+    return compile_plan(plan)(model)

@@ -22,6 +22,7 @@ Note [Ranking by throughput]
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -33,7 +34,7 @@ from fxmem.errors import FxmemError, InputSpecError
 from fxmem.inputs import InputSpecs
 from fxmem.parallel import default_tp_plan
 from fxmem.planner.checkpoint import CheckpointPlan, plan_checkpointing
-from fxmem.planner.emit import compile_plan
+from fxmem.planner.emit import apply_plan_to, compile_plan
 from fxmem.report import Report
 from fxmem.step.sharding import fsdp_units
 from fxmem.step.training import DEFAULT_GPU
@@ -330,7 +331,7 @@ def _with_checkpointing(
     step, recomputation included), and where its total still exceeds the budget (the peak moved to
     where recomputation runs) the saved budget shrinks by that much, a few times at most."""
     blocks = list(fsdp_units(model))  # each repeated block (else each top-level child), as FSDP2's units
-    if not blocks or config.fsdp > 1 or config.tp > 1:  # checkpointing under the engines: not yet
+    if not blocks or config.tp > 1:  # tensor parallel splits what each op saves: the chooser sees whole ops
         return None, None
     room, floor = report.activation_bytes(1) - (report.step_bytes(1) - budget), None
     for _ in range(_ATTEMPTS):
@@ -362,7 +363,7 @@ def _analyze_like(
     return analyze(
         model, inputs, loss=loss, optimizer=config.optimizer, batch=1, gpu=setup.gpu if setup else DEFAULT_GPU,
         target=setup.target if setup else "cuda", amp=config.amp, precision=config.precision, optimizer_impl=config.optimizer_impl,
-        name=name, seq_len=seq_len,
+        name=name, seq_len=seq_len, fsdp=config.fsdp, fsdp_units=config.units if config.fsdp > 1 else None,
     )  # fmt: skip
 
 
@@ -421,17 +422,18 @@ def _verify_ranks(candidate: Candidate, model: nn.Module, inputs: InputSpecs, lo
     config = candidate.config
     unsupported = [
         what
-        for what, present in (("activation checkpointing", config.checkpoint is not None), ("autocast", config.amp is not None),
-                              (f"the {config.optimizer_impl} optimizer", config.optimizer_impl is not None))
+        for what, present in (("autocast", config.amp is not None), (f"the {config.optimizer_impl} optimizer", config.optimizer_impl is not None))
         if present
     ]  # fmt: skip
     if unsupported:
         raise InputSpecError(
             f"verify cannot run {config.describe()} on real ranks yet: {', '.join(unsupported)} under FSDP2 or tensor "
-            "parallel is not applied by fxmem measure; plan with --allow batch,shard,precision to verify a sharded plan."
+            "parallel is not applied by fxmem measure; plan with --allow batch,shard,precision,checkpoint to verify a sharded plan."
         )
+    prepare = None if config.checkpoint is None else functools.partial(apply_plan_to, config.checkpoint)  # each rank applies it
     ranks = measure_ranks(
-        model, inputs, candidate.micro_batch, fsdp=config.fsdp, units=config.units, tp=config.tp,
-        tp_plan=dict(config.tp_plan) or None, loss=loss, optimizer=config.optimizer, seq_len=seq_len, mixed=config.precision == "mixed",
+        model, inputs, candidate.micro_batch, fsdp=config.fsdp, units=config.units, tp=config.tp, tp_plan=dict(config.tp_plan) or None,
+        loss=loss, optimizer=config.optimizer, seq_len=seq_len, mixed=config.precision == "mixed", prepare=prepare,
     )  # fmt: skip
-    return Verification(candidate, max(r.peak for r in ranks), None, ranks)
+    saved = ranks[0].saved if config.checkpoint is not None else None
+    return Verification(candidate, max(r.peak for r in ranks), saved, ranks)
