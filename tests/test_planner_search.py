@@ -159,6 +159,24 @@ def test_checkpointing_under_fsdp2_verified_on_real_ranks(long_gpt: tuple[torch.
     assert abs(proof.ranks[0].peak - sharded.peak) <= 0.01 * sharded.peak, ([r.peak for r in proof.ranks], sharded.peak)
 
 
+def test_precision_lever_verified(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
+    """A budget halfway between micro-batch 1's step in bf16 autocast and in fp32: only autocast fits
+    (with torch's default AdamW and with the fused one). Each, run for real on the CPU under autocast
+    with its optimizer implementation, peaks within 1% of its simulated step."""
+    model, inputs, full = long_gpt
+    amp = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu", amp="bf16")
+    memory = (amp.step_bytes(1) + full.step_bytes(1)) // 2
+    found = plan(model, inputs, loss=LOSS, target="cpu", memory=memory, allow=["batch", "precision", "optimizer-impl"])
+    assert {c.config.precision for c in found.fitting} == {"amp"} and len(found.fitting) == 2
+    for candidate in found.fitting:
+        proof = verify(candidate, model, inputs, loss=LOSS)
+        assert abs(proof.measured_peak - candidate.peak) <= 0.01 * candidate.peak, (
+            candidate.config.describe(),
+            proof.measured_peak,
+            candidate.peak,
+        )
+
+
 def test_nothing_fits_names_the_closest_and_its_shortfall(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
     model, inputs, report = long_gpt
     memory = report.peak(1).state  # not even the state beside anything else
