@@ -177,6 +177,24 @@ def test_precision_lever_verified(long_gpt: tuple[torch.nn.Module, list[str], fx
         )
 
 
+@pytest.mark.parametrize(("lever", "config"), [("optimizer-impl", "fp32, adamw, fused"), ("optimizer", "fp32, adafactor")])
+def test_optimizer_levers_verified(lever: str, config: str) -> None:
+    """The GPT test config peaks in AdamW's step at micro-batch 1 (its state outweighs its activations).
+    A budget halfway between that step and the lever's own (torch's fused AdamW, which makes no
+    per-parameter temporaries; Adafactor, which keeps factored moments) leaves the lever's setting the
+    only fit, and its real step on the CPU peaks within 1% of the simulated one."""
+    model, inputs = _gpt()
+    default = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu")
+    assert default.peak(1).phase.value == "optimizer step"
+    option = {"optimizer_impl": "fused"} if lever == "optimizer-impl" else {"optimizer": "adafactor"}
+    alone = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu", **option)  # type: ignore[arg-type]
+    memory = (alone.step_bytes(1) + default.step_bytes(1)) // 2
+    found = plan(model, inputs, loss=LOSS, target="cpu", memory=memory, global_batch=1, allow=["batch", lever])
+    assert [c.config.describe() for c in found.fitting] == [config]
+    proof = verify(found.fitting[0], model, inputs, loss=LOSS)
+    assert abs(proof.measured_peak - found.fitting[0].peak) <= 0.01 * found.fitting[0].peak
+
+
 def test_nothing_fits_names_the_closest_and_its_shortfall(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
     model, inputs, report = long_gpt
     memory = report.peak(1).state  # not even the state beside anything else
