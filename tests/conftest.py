@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +62,16 @@ def _no_cublas_workspace_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """fxmem sizes cuBLAS workspaces by CUBLAS_WORKSPACE_CONFIG where it runs, and importing MONAI sets
     it (to ":4096:8", monai/utils/misc.py); tests expect torch's defaults unless they set it themselves."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+
+
+# --- kernels whose buffers depend on the thread count --------------------------------------------
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One OpenMP thread for the test: which oneDNN or native kernel runs, and what it allocates,
+    depends on the thread count, and the rules these tests check are measured at one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -165,14 +165,6 @@ STEPS = [
 ]
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize(("model", "inputs"), STEPS, ids=[f"{type(m.act).__name__}-{i}" for m, i in STEPS])

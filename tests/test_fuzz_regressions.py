@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxmem
+from tests.helpers import scratch_of
 
 
 @pytest.fixture(autouse=True)
@@ -139,14 +140,6 @@ def test_batch_norm_output_is_contiguous_on_the_cpu(dtype: torch.dtype) -> None:
 # has more elements per sample. The GELU after it saves the convolution's output.
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     ("conv", "inputs", "per_sample"),
@@ -245,24 +238,7 @@ def test_relu_output_in_tensor_iterator_layout() -> None:
 
 def _slow_backward_scratch(args: tuple[object, ...]) -> int:
     """The most bytes convolution_backward had allocated at once less what it holds when it returns."""
-    from torch._C._profiler import _EventType
-
-    with torch.profiler.profile(profile_memory=True) as prof:
-        torch.ops.aten.convolution_backward(*args)
-    stack, inside = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while stack:
-        e = stack.pop()
-        stack.extend(e.children)
-        parent = e.parent
-        while parent is not None and parent.name != "aten::convolution_backward":
-            parent = parent.parent
-        if e.typed[0] == _EventType.Allocation and parent is not None:
-            inside.append((e.start_time_ns, e.typed[1].alloc_size))
-    running, top = 0, 0
-    for _, size in sorted(inside):
-        running += size
-        top = max(top, running)
-    return top - running
+    return scratch_of("aten::convolution_backward", lambda: torch.ops.aten.convolution_backward(*args))
 
 
 _GRADIENTS = {
