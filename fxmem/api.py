@@ -12,7 +12,7 @@ from torch import fx, nn
 
 from fxmem.cost.tradeoff import BN_THRESHOLD, batchnorm_layers
 from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
-from fxmem.engine.capture import BatchSpecialized, SymbolicUnsupported, capture_saved
+from fxmem.engine.capture import BatchSpecialized, StepCapture, SymbolicUnsupported, capture_saved
 from fxmem.engine.losses import Loss, get_loss
 from fxmem.errors import CaptureError, FxmemError, FxmemWarning, InputSpecError
 from fxmem.frontends.blocks import BlockStack, cut_to, find_block_stack
@@ -25,6 +25,7 @@ from fxmem.report import Report
 from fxmem.results import Accounting, Capture, Category, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
+from fxmem.step.passes import SHARED_BATCHES, SharedPasses, Simulate
 from fxmem.step.peak import StepPeaks
 from fxmem.step.pipeline import (
     OneGpu,
@@ -152,15 +153,18 @@ def analyze(
     gm = traced.gm
     plan = _parallel_plan(model, setup, fsdp_units, _sequence_plan(model, tp, tp_plan, sp, name), peak, name)
     shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
-    accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan)
-    say("counting model state")
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
+    simulate = _step_simulator(specs, loss_fn, opt, name, seq, setup, impl, plan, strict)
+    shared = SharedPasses(simulate) if peak and plan is None else None  # Note [One pass for the capture and the step]
+    accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan, shared)
+    say("counting model state")
     _check_tp_optimizer(model, plan, impl, name)
     state, per_gpu, device = _state(model, opt, param_dtype, setup, impl)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict, setup)
     steps = None
     if peak:
-        steps = _simulate_steps(gm, specs, loss_fn, opt, name, say, seq, batch, setup, impl, device, shallow, plan)
+        step = shared.step if shared is not None else lambda graph, b: simulate(graph, b, None)
+        steps = _simulate_steps(gm, step, say, seq, batch, device, shallow, plan)
         if plan is not None:
             per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size, setup.engine_name)
     if device_memory is None and setup.cuda:
@@ -279,29 +283,22 @@ def _state(
     )
 
 
-def _simulate_steps(
-    gm: fx.GraphModule,
+def _step_simulator(
     specs: tuple[InputSpec, ...],
     loss: Loss,
     opt: OptimizerRule,
     name: str,
-    say: Callable[[str], None],
     seq: int | None,
-    batch: int,
     setup: TrainingSetup,
     impl: str,
-    device: DeviceModel | None,
-    shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
-    plan: ParallelPlan | None = None,
-) -> StepPeaks:
-    """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
-    the report's own batch now (so that a failing step fails analyze), concrete ones on demand.
-    With ``shallow`` (a block stack and the model cut to 3 and 4 blocks), each is made from the
-    shallow steps where they extend exactly, else by simulating the whole model (Note [Repeated blocks])."""
+    plan: ParallelPlan | None,
+    strict: bool,
+) -> Simulate:
+    """Simulates the step of a graph (the model, or its copy cut to fewer blocks) at a batch."""
     rules, workspaces, layouts = op_rules_for(setup.target), workspace_rules_for(setup.target), layout_rules_for(setup.target)
     kernels = setup.kernels()
 
-    def simulate(graph: fx.GraphModule, b: int | None) -> Timeline:
+    def simulate(graph: fx.GraphModule, b: int | None, captured: Callable[[StepCapture], None] | None) -> Timeline:
         return simulate_step(
             graph,
             specs,
@@ -317,8 +314,27 @@ def _simulate_steps(
             state_dtype=setup.state_dtype,
             layouts=layouts,
             parallel=plan.within(graph) if plan is not None else None,
+            strict=strict,
+            captured=captured,
         )
 
+    return simulate
+
+
+def _simulate_steps(
+    gm: fx.GraphModule,
+    simulate: Callable[[fx.GraphModule, int | None], Timeline],
+    say: Callable[[str], None],
+    seq: int | None,
+    batch: int,
+    device: DeviceModel | None,
+    shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
+    plan: ParallelPlan | None = None,
+) -> StepPeaks:
+    """The training step's timelines: symbolic (every B >= 2) and B=1, each made when first needed,
+    the report's own batch now (so that a failing step fails analyze), concrete ones on demand.
+    With ``shallow`` (a block stack and the model cut to 3 and 4 blocks), each is made from the
+    shallow steps where they extend exactly, else by simulating the whole model (Note [Repeated blocks])."""
     fast, path = _fast_path(gm, shallow, simulate)
     if plan is not None:
         path += f"; one rank of {plan.describe()}"
@@ -395,21 +411,32 @@ def _account(
     setup: TrainingSetup,
     shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
     plan: ParallelPlan | None = None,
+    shared: SharedPasses | None = None,
 ) -> Accounting:
     """One symbolic pass plus B=1; concrete passes when the symbolic one cannot stand for every B.
 
     Concrete passes (B=1 included) run at the sequence length ``seq`` where an input has a symbolic S.
     With ``shallow``, each pass is made from the model cut to 3 and 4 blocks where it extends exactly
-    (Note [Saved tensors from three blocks]), else run on the whole model.
+    (Note [Saved tensors from three blocks]), else run on the whole model. With ``shared``, the
+    symbolic and B=1 passes are the step's (Note [One pass for the capture and the step]).
     """
-    run, path = _fast_capture(gm, shallow, lambda graph: _pass(graph, specs, loss, name, strict, setup, plan))
-    return replace(_passes(run, say, seq), path=path())
+
+    def make(graph: fx.GraphModule) -> Callable[[int | None, int | None], Capture]:
+        alone = _pass(graph, specs, loss, name, strict, setup, plan)
+        if shared is None:
+            return alone
+        return lambda b, s: shared.capture(graph, b, lambda: alone(b, s)) if b in SHARED_BATCHES else alone(b, s)
+
+    run, path = _fast_capture(gm, shallow, make)
+    return replace(_passes(run, say, seq, "simulating the training step and its saved tensors" if shared else ""), path=path())
 
 
-def _passes(run: Callable[[int | None, int | None], Capture], say: Callable[[str], None], seq: int | None) -> Accounting:
-    """The symbolic pass and B=1, or concrete passes where the symbolic one cannot stand for every B."""
+def _passes(run: Callable[[int | None, int | None], Capture], say: Callable[[str], None], seq: int | None, what: str = "") -> Accounting:
+    """The symbolic pass and B=1, or concrete passes where the symbolic one cannot stand for every B.
+    ``what`` names the passes in the progress messages (the step's, where they are shared)."""
+    what = what or "capturing saved tensors"
     try:
-        say("capturing saved tensors (symbolic pass, batch B)")
+        say(f"{what} (symbolic pass, batch B)")
         symbolic = run(None, None)
     except (SymbolicUnsupported, BatchSpecialized) as e:
         batches = (1, *FIT_BATCHES, VERIFY_BATCH)
@@ -422,7 +449,7 @@ def _passes(run: Callable[[int | None, int | None], Capture], say: Callable[[str
         at_seq = f" at S={seq}" if seq is not None else ""
         note = f"concrete passes at B={','.join(map(str, sorted(concrete)))}{at_seq} ({e})"
         return account_bytes(None, concrete, note=note, batch_one_error=why_not_one)
-    say("capturing saved tensors (concrete pass at B=1)")
+    say(f"{what} (concrete pass at B=1)")
     one, why_not_one = _batch_one(run, seq)
     return account_bytes(symbolic, {1: one} if one is not None else {}, batch_one_error=why_not_one)
 

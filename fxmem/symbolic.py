@@ -45,6 +45,8 @@ class ByteExpr:
         return f"ByteExpr(per_sample={self.per_sample}, fixed={self.fixed}{extra})"
 
     def __add__(self, other: ByteExpr) -> ByteExpr:
+        if not (self.higher or other.higher or self.seq_terms or other.seq_terms):  # a*B + c, the common case
+            return ByteExpr(self.per_sample + other.per_sample, self.fixed + other.fixed)
         n = max(len(self.higher), len(other.higher))
         pad = lambda h: h + (0,) * (n - len(h))
         higher = tuple(a + b for a, b in zip(pad(self.higher), pad(other.higher)))

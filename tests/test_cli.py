@@ -120,12 +120,24 @@ def test_analyze_reports_its_stages() -> None:
     analyze(spec.model, spec.inputs, loss=spec.loss, progress=stages.append, target="cpu")
     assert stages == [
         "tracing the model",
+        "simulating the training step and its saved tensors (symbolic pass, batch B)",
+        "simulating the training step and its saved tensors (concrete pass at B=1)",
+        "counting model state",
+        "simulating the training step (symbolic pass, batch B)",
+    ]  # the saved tensors are the step's (Note [One pass for the capture and the step]); its timeline is taken after the state
+
+
+
+def test_analyze_without_the_step_reports_the_capture_passes() -> None:
+    spec = load_model(MLP)
+    stages: list[str] = []
+    analyze(spec.model, spec.inputs, loss=spec.loss, progress=stages.append, target="cpu", peak=False)
+    assert stages == [
+        "tracing the model",
         "capturing saved tensors (symbolic pass, batch B)",
         "capturing saved tensors (concrete pass at B=1)",
         "counting model state",
-        "simulating the training step (symbolic pass, batch B)",
-    ]  # the B=1 step is simulated when first asked about (the floor, the verdict)
-
+    ]
 
 class _Stream(io.StringIO):
     def __init__(self, tty: bool) -> None:

@@ -60,7 +60,8 @@ def account_bytes(
     else:
         lines, linear = _fit_nodes(exact)
         base, method = concrete[min(b for b in concrete if b != 1)], "concrete"
-    records = tuple(_record(info, lines, exact, _by_node(base)) for info in base.nodes)
+    tensors = _by_node(base)
+    records = tuple(_record(info, lines, exact, tensors) for info in base.nodes)
     unsupported = _merge_unsupported([base, *concrete.values()])
     inputs = base.inputs if symbolic is not None else _fit_inputs(concrete)
     return Accounting(records, inputs, method, linear, unsupported, note, batch_one_error)

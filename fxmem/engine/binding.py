@@ -4,7 +4,7 @@ and buffers swapped for fake copies for the length of a pass (tied ones by the s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -92,8 +92,9 @@ def fake_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return torch.nn.Parameter(fake, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
 
 
-def state_kinds(gm: fx.GraphModule) -> dict[StorageWeakRef, Kind]:
-    kinds = {StorageWeakRef(storage_of(b)): Kind.BUFFER for b in gm.buffers()}
+def state_kinds(gm: fx.GraphModule) -> dict[Hashable, Kind]:
+    """The kind of each parameter's and buffer's storage, by its StorageWeakRef."""
+    kinds: dict[Hashable, Kind] = {StorageWeakRef(storage_of(b)): Kind.BUFFER for b in gm.buffers()}
     kinds.update({StorageWeakRef(storage_of(p)): Kind.PARAM for p in gm.parameters()})
     return kinds
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +48,7 @@ __all__ = [
     "BatchSpecialized",
     "FakeBatch",
     "OpRule",
+    "StepCapture",
     "SymbolicUnsupported",
     "capture_saved",
     "dtype_error",
@@ -111,48 +112,60 @@ class _Entry:
 class _Book:
     """Per-pass bookkeeping of storages: who allocated each, which were saved, and what they cost."""
 
-    kinds: dict[StorageWeakRef, Kind]
+    kinds: dict[Hashable, Kind]
     batch_symbol: Any = None
     seq_symbol: Any = None
     strict: bool = False
     current: str = ""
-    owner: dict[StorageWeakRef, str] = field(default_factory=dict)
-    saved: dict[StorageWeakRef, _Entry] = field(default_factory=dict)
+    owner: dict[Hashable, str] = field(default_factory=dict)
+    saved: dict[Hashable, _Entry] = field(default_factory=dict)
     overrides: dict[StorageWeakRef, object] = field(default_factory=dict)
     unsupported: list[tuple[str, str]] = field(default_factory=list)
     alive: list[object] = field(default_factory=list)
-    inputs: dict[StorageWeakRef, object] = field(default_factory=dict)
+    inputs: dict[Hashable, object] = field(default_factory=dict)
+
+    def key(self, t: torch.Tensor) -> Hashable:
+        """What names ``t``'s storage for the length of the pass (Note [Counting storages once])."""
+        return StorageWeakRef(storage_of(t))
+
+    def nbytes(self, key: Hashable, t: torch.Tensor) -> object:
+        """A storage's true size: a rule's where one says the kernel's differs from the fake one's."""
+        return self.overrides.get(key, storage_of(t).nbytes())  # type: ignore[call-overload]
+
+    def hold(self, value: object) -> None:
+        """Keep ``value`` alive to the end of the pass, so that its storages' keys stay unique."""
+        self.alive.append(value)
 
     def add_input(self, t: torch.Tensor) -> None:
         """Register an input batch or loss-target storage: classified as INPUT, counted on its own line."""
-        key = StorageWeakRef(t.untyped_storage())
+        key = self.key(t)
         self.kinds[key] = Kind.INPUT
         self.inputs[key] = t.untyped_storage().nbytes()
-        self.alive.append(t)
+        self.hold(t)
 
     def input_bytes(self) -> ByteExpr:
         return ByteExpr.total(to_byte_expr(n, self.batch_symbol, self.seq_symbol) for n in self.inputs.values())
 
     def claim(self, value: object, node: str) -> None:
         """Charge every storage first seen in ``value`` to ``node``. See Note [Counting storages once]."""
-        self.alive.append(value)
+        self.hold(value)
         for t in tree_leaves(value):
             if isinstance(t, torch.Tensor) and _has_storage(t):
-                self.owner.setdefault(StorageWeakRef(storage_of(t)), node)
+                self.owner.setdefault(self.key(t), node)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """Note a saved tensor's storage; a DTensor's is its local shard's, whose shape is the rank's."""
         if not _has_storage(t):
             self.unsupported.append((self.current, f"saved a {t.layout} tensor without a plain storage"))
             return t
-        key = StorageWeakRef(storage_of(t))
-        self.alive.append(t)
+        key = self.key(t)
+        self.hold(t)
         if key in self.saved:
             if self.current not in self.saved[key].saved_by:
                 self.saved[key].saved_by.append(self.current)
             return t
         owner = self.owner.setdefault(key, self.current)
-        nbytes = self.overrides.get(key, storage_of(t).nbytes())
+        nbytes = self.nbytes(key, t)
         shape = tuple(label_dim(d, self.batch_symbol, self.seq_symbol) for d in local_tensor(t).shape)
         kind = self.kinds.get(key, Kind.ACTIVATION)
         self.saved[key] = _Entry(owner, [self.current], shape, dtype_name(t.dtype), nbytes, kind)
@@ -175,6 +188,96 @@ class _Book:
                 raise CaptureError(f"node '{entry.node}' {reason}; without --strict it is counted as 0 B and reported.") from e
             self.unsupported.append((entry.node, reason))
             return ByteExpr()
+
+
+@dataclass
+class _StepBook(_Book):
+    """The book of a forward that frees what eager frees, the simulated step's (fxmem/step/timeline.py).
+
+    There a dead storage's key can be reused, and keeping every value alive would change the step.
+    So a storage the step's tracker numbered is named by its number, unique within the step, and its
+    size is the tracker's (the op rules applied); only what the tracker does not number (state,
+    inputs) is named by its StorageWeakRef and kept alive, as it is anyway.
+    """
+
+    numbered: Callable[[torch.Tensor], tuple[int, object] | None] = lambda _: None
+    """A live storage's (number, true size) in the step, or None where the tracker numbers none."""
+
+    def key(self, t: torch.Tensor) -> Hashable:
+        found = self.numbered(t)
+        return ("storage", found[0]) if found is not None else StorageWeakRef(storage_of(t))
+
+    def nbytes(self, key: Hashable, t: torch.Tensor) -> object:
+        found = self.numbered(t)
+        return found[1] if found is not None else storage_of(t).nbytes()
+
+    def hold(self, value: object) -> None:
+        self.alive.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and self.numbered(t) is None)
+
+
+class StepCapture:
+    """What ``capture_saved`` records, recorded by the simulated step's own forward and loss, so that
+    one fake pass serves both (Note [One pass for the capture and the step]).
+
+    The step calls ``node_ran`` after each fx node of the forward, ``pack`` from its saved-tensor
+    hook, and ``loss_ran`` after the loss; ``capture`` then gives what ``capture_saved`` would have.
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        inputs: Sequence[torch.Tensor],
+        fake: FakeBatch,
+        numbered: Callable[[torch.Tensor], tuple[int, object] | None],
+    ) -> None:
+        self.book = _StepBook(
+            kinds=state_kinds(gm), batch_symbol=fake.symbols.get("B"), seq_symbol=fake.symbols.get("S"), numbered=numbered
+        )
+        for t in inputs:
+            self.book.add_input(t)
+        self.infos: list[NodeInfo] = []
+        self.recording = True
+
+    def node_starts(self, name: str) -> None:
+        if self.recording:
+            self.book.current = name
+
+    def node_ran(self, n: fx.Node, out: object, made_from: torch.Tensor | None = None) -> None:
+        """Node ``n`` returned ``out``; ``made_from``: the graph's constant that ``out`` copies (Note
+        [Tensors made while tracing] in fxmem/step/timeline.py), whose kind the copy takes."""
+        if not self.recording or n.op == "output":
+            return
+        if made_from is not None and isinstance(out, torch.Tensor):
+            kind = self.book.kinds.get(StorageWeakRef(storage_of(made_from)))
+            if kind is not None:
+                self.book.kinds[self.book.key(out)] = kind
+        self.book.claim(out, n.name)
+        self.infos.append(_node_info(n, out, self.book))
+
+    def pack(self, t: torch.Tensor) -> None:
+        if self.recording:
+            self.book.pack(t)
+
+    def loss_starts(self, target: torch.Tensor | None) -> None:
+        self.book.current = LOSS_NODE
+        if target is not None:
+            self.book.add_input(target)
+
+    def loss_ran(self, value: object, target: object, loss: Loss) -> None:
+        """The loss ran: what it returned is its own, and the forward's recording ends (backward's
+        recomputations save nothing the forward did not)."""
+        self.book.claim((value, target), LOSS_NODE)
+        self.infos.append(NodeInfo(LOSS_NODE, "loss", loss.name, "(loss)", ()))
+        self.recording = False
+
+    def capture(self, batch: int | None) -> Capture:
+        """The capture, once the step has run; raises SymbolicUnsupported as ``capture_saved`` does."""
+        try:
+            saved = self.book.saved_tensors()
+        except ValueError as e:
+            raise SymbolicUnsupported(str(e)) from e
+        unsupported = tuple(Unsupported(node, _fqn_of(self.infos, node), why) for node, why in self.book.unsupported)
+        return Capture(batch, tuple(self.infos), saved, self.book.input_bytes(), unsupported)
 
 
 def _has_storage(t: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,15 +51,23 @@ class BlockStack:
 
     def layer_of(self, fqn: str) -> int | None:
         """The block a module path lies in (``transformer.h.3.attn`` -> 3), or None outside the list."""
-        match = self._pattern().match(fqn)
-        return int(match.group(1)) if match else None
+        known = self._layers
+        if fqn not in known:  # asked tens of thousands of times when a deep step is extended
+            match = self._pattern.match(fqn)
+            known[fqn] = int(match.group(1)) if match else None
+        return known[fqn]
 
     def with_layer(self, fqn: str, layer: int) -> str:
         """``fqn`` moved to block ``layer`` (unchanged outside the list)."""
-        return self._pattern().sub(lambda m: f"{self.path}.{layer}{m.group(2)}", fqn, count=1)
+        return self._pattern.sub(lambda m: f"{self.path}.{layer}{m.group(2)}", fqn, count=1)
 
+    @functools.cached_property
     def _pattern(self) -> re.Pattern[str]:
         return re.compile(rf"^{re.escape(self.path)}\.(\d+)(\.|$)")
+
+    @functools.cached_property
+    def _layers(self) -> dict[str, int | None]:
+        return {}
 
 
 def find_block_stack(model: nn.Module) -> BlockStack | None:

@@ -124,10 +124,17 @@ class StepPeaks:
     """What was simulated: the whole model, or its repeated blocks from a shallow copy (Note [Repeated blocks])."""
     _points: dict[tuple[int | None, bool], Points] = field(default_factory=dict, repr=False)
     _device: dict[tuple[int, bool], DevicePeak] = field(default_factory=dict, repr=False)
+    _steady: dict[int, tuple[Timeline, Timeline]] = field(default_factory=dict, repr=False)
 
     def timeline(self, batch: int, *, first_step: bool = False) -> Timeline:
         first = self._first(batch)
-        return first if first_step else steady_step(first)
+        return first if first_step else self._steady_of(first)
+
+    def _steady_of(self, first: Timeline) -> Timeline:
+        """``steady_step(first)``, made once per first-step timeline (the report asks it of a few, often)."""
+        if id(first) not in self._steady:
+            self._steady[id(first)] = (first, steady_step(first))  # ``first`` kept, so its id is not reused
+        return self._steady[id(first)][1]
 
     def symbolic_timeline(self) -> Timeline | None:
         """The first step's timeline with B symbolic, made on first use; None where only concrete ones are exact."""
@@ -170,7 +177,7 @@ class StepPeaks:
         first = self._first(batch)
         key = (first.batch, first_step)
         if key not in self._points:
-            self._points[key] = points(first if first_step else steady_step(first))
+            self._points[key] = points(first if first_step else self._steady_of(first))
         return self._points[key]
 
     def bytes(self, batch: int, *, first_step: bool = False) -> int:
@@ -210,7 +217,7 @@ class StepPeaks:
         symbolic = self.symbolic_timeline()
         if symbolic is None:
             return ()
-        pts = self._points_for(2, first_step) if 2 not in self.exact else points(symbolic if first_step else steady_step(symbolic))
+        pts = self._points_for(2, first_step) if 2 not in self.exact else points(symbolic if first_step else self._steady_of(symbolic))
         return envelope(pts) if pts.linear else ()
 
 

@@ -26,6 +26,7 @@ import difflib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch.fx as fx
 
@@ -195,7 +196,7 @@ def _extend_costs(
             i, f = i + 1, f + 1
             continue
         sweep = [p for p in pieces[i:] if p.sweep == piece.sweep]
-        out.extend(rename(small[c.index], c.to) for c in _sweep_plan(sweep, depth, to_depth))
+        out.extend(rename(small[c.event], c.to) for c in _sweep_plan(sweep, depth, to_depth))
         i += len(sweep)
     return tuple(out)
 
@@ -312,12 +313,12 @@ def _event_tag(e: MemoryEvent, context: str, stack: BlockStack) -> int | None:
     return running if running is not None else stack.layer_of(e.fqn)
 
 
-@dataclass(frozen=True)
-class _Copy:
-    """One event of the extended step: the shallow event ``index`` it copies, from ``piece``, for
-    block ``target`` (None for a fixed piece), with ``to`` moving the block numbers it names."""
+class _Copy(NamedTuple):
+    """One event of the extended step: the shallow event ``event`` it copies (its index), from ``piece``, for
+    block ``target`` (None for a fixed piece), with ``to`` moving the block numbers it names. (A
+    tuple: a 7B model's step makes tens of thousands, and a frozen dataclass is slow to make.)"""
 
-    index: int
+    event: int
     piece: _Piece
     target: int | None
     to: Callable[[int], int]
@@ -442,15 +443,15 @@ def _copy_events(events: Sequence[MemoryEvent], plan: Plan, depth: int, to_depth
     copy of that allocation's piece made for the block the release names, the allocation of the
     same op, node and size (and the same count of such before it)."""
     alloc_at = {e.storage: k for k, e in enumerate(events) if e.alloc}
-    piece_of = {c.index: c.piece for c in plan}
+    piece_of = {c.event: c.piece for c in plan}
     keys = _allocation_keys(events, piece_of, names)
     edge = _edges(depth, to_depth)
     copies: dict[tuple[object, ...], int] = {}
     out: list[MemoryEvent] = []
     for new, c in enumerate(plan):
-        e = events[c.index]
+        e = events[c.event]
         if e.alloc:
-            copies[_where(c.piece, c.target, c.index) + keys[c.index]] = new
+            copies[_where(c.piece, c.target, c.event) + keys[c.event]] = new
             storage = new
         else:
             source = alloc_at.get(e.storage)
@@ -466,7 +467,8 @@ def _copy_events(events: Sequence[MemoryEvent], plan: Plan, depth: int, to_depth
             storage = copies.get(_where(piece, block, source) + keys[source], -1)
             if storage < 0:
                 raise NotRepeating(f"the release of storage {e.storage} ({e.op} at {e.node}) has no allocation to free")
-        out.append(replace(e, node=names.node(e.node, c.to), fqn=names.fqn(e.fqn, c.to), storage=storage))
+        node, fqn = names.node(e.node, c.to), names.fqn(e.fqn, c.to)
+        out.append(MemoryEvent(e.phase, e.alloc, e.nbytes, e.category, node, fqn, e.op, storage, e.bound, e.at_batch))
     return tuple(out)
 
 
@@ -508,15 +510,15 @@ def extend_capture(shallow: Capture, depth: int, to_depth: int, names: Names) ->
         raise NotRepeating("a node's saved bytes are not supported")
     tags = [names.block_of_node(i.name) for i in shallow.nodes]
     plan = _plan(["forward"] * len(shallow.nodes), tags, depth, to_depth)
-    infos = [_renamed_info(shallow.nodes[c.index], c.to, names) for c in plan]
+    infos = [_renamed_info(shallow.nodes[c.event], c.to, names) for c in plan]
     saved_tags = [names.block_of_node(s.saved_by[0] if s.saved_by else s.node) for s in shallow.saved]  # the node running
     saved_plan = _plan(["forward"] * len(shallow.saved), saved_tags, depth, to_depth)
     saved = tuple(
         replace(
-            shallow.saved[c.index],
+            shallow.saved[c.event],
             storage=k,
-            node=names.node(shallow.saved[c.index].node, c.to),
-            saved_by=_savers(shallow.saved[c.index].saved_by, c, depth, to_depth, names),
+            node=names.node(shallow.saved[c.event].node, c.to),
+            saved_by=_savers(shallow.saved[c.event].saved_by, c, depth, to_depth, names),
         )
         for k, c in enumerate(saved_plan)
     )
@@ -530,7 +532,7 @@ def _savers(savers: Sequence[str], copy: _Copy, depth: int, to_depth: int, names
     if {t for t in tags if t is not None} != set(range(depth)):
         return tuple(names.node(n, copy.to) for n in savers)
     plan = _plan(["saved"] * len(savers), tags, depth, to_depth)
-    return tuple(names.node(savers[c.index], c.to) for c in plan)
+    return tuple(names.node(savers[c.event], c.to) for c in plan)
 
 
 def _renamed_info(info: NodeInfo, to: Callable[[int], int], names: Names) -> NodeInfo:

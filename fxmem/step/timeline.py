@@ -74,7 +74,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxmem.engine.binding import bind_inputs, local_tensor, storage_of, swapped_state
-from fxmem.engine.capture import LOSS_NODE, FakeBatch, SymbolicUnsupported, fake_batch, node_error, node_fqn, quiet_fake_tensor_log
+from fxmem.engine.capture import (
+    LOSS_NODE,
+    FakeBatch,
+    StepCapture,
+    SymbolicUnsupported,
+    fake_batch,
+    node_error,
+    node_fqn,
+    quiet_fake_tensor_log,
+)
 from fxmem.engine.dispatch import LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.flops import OpCost, is_view_like, op_cost
 from fxmem.engine.losses import Loss
@@ -518,11 +527,11 @@ def _storage_deaths_are_seen() -> bool:
     fired: list[bool] = []
     t = torch.empty(1)
     ref = weakref.ref(t.untyped_storage(), lambda _: fired.append(True))
-    gc.collect()
+    gc.collect(0)  # the youngest generation holds whatever this made; a full collection costs 0.1 s in a large process
     if fired or ref() is None:
         return False
     del t
-    gc.collect()
+    gc.collect(0)
     return bool(fired)
 
 
@@ -559,12 +568,15 @@ class _Forward(ModuleHooks, RegionInterpreter):
         model: str,
         kernels: Callable[[], AbstractContextManager[object]],
         scopes: ModuleScopes | None = None,
+        record: StepCapture | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True, model_label=model)
         self.tracker = tracker
         self.fake = fake
         self.kernels = kernels
         self.scopes = scopes
+        self.record = record
+        """Where the forward's saved tensors are recorded too (Note [One pass for the capture and the step])."""
         """The hooked modules' stretches of the graph (Note [Module hooks on a flattened graph])."""
         _hold_python_locals(self)
 
@@ -584,10 +596,14 @@ class _Forward(ModuleHooks, RegionInterpreter):
 
     def region_call(self, region: Region) -> AbstractContextManager[object]:
         self.tracker.node, self.tracker.fqn = region.first.name, node_fqn(region.first)
+        if self.record is not None:
+            self.record.node_starts(region.first.name)
         return contextlib.nullcontext()
 
     def run_one(self, n: fx.Node) -> Any:
         self.tracker.node, self.tracker.fqn = n.name, node_fqn(n)
+        if self.record is not None:
+            self.record.node_starts(n.name)
         try:
             out = super().run_one(n)
         except _PASS_THROUGH:
@@ -595,11 +611,16 @@ class _Forward(ModuleHooks, RegionInterpreter):
         except Exception as e:
             symbols = (self.fake.symbols.get("B"), self.fake.symbols.get("S"))
             raise node_error(n, self.env, symbols, self.model_label, e) from e
+        made_from = None
         if n.op == "get_attr" and _traced_constant(str(n.target)) and isinstance(out, torch.Tensor):
-            out = out.clone()  # Note [Tensors made while tracing]
+            made_from, out = out, out.clone()  # Note [Tensors made while tracing]
         _label_autograd(out, (n.name, node_fqn(n)))
+        if self.record is not None:
+            self.record.node_ran(n, out, made_from)
         for kept in self.cached():  # a selective checkpoint's policy keeps them for backward, as autograd would
             self.tracker.kept.append(kept)
+            if self.record is not None:
+                self.record.pack(kept)
         return out
 
 
@@ -684,6 +705,8 @@ def simulate_step(
     state_dtype: torch.dtype | None = None,
     layouts: Mapping[str, LayoutRule] | None = None,
     parallel: ParallelPlan | None = None,
+    strict: bool = False,
+    captured: Callable[[StepCapture], None] | None = None,
 ) -> Timeline:
     """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
 
@@ -693,6 +716,10 @@ def simulate_step(
 
     With ``parallel``, the step is one rank's of an FSDP2 run of that many ranks (fxmem/parallel):
     ``batch`` is then the rank's own batch.
+
+    ``captured``, where given (on one GPU only), is handed what the step's forward saved, once the step
+    has run: what ``capture_saved`` at the same batch records, ``strict`` as it takes it (Note [One
+    pass for the capture and the step]).
 
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
     """
@@ -709,6 +736,7 @@ def simulate_step(
                 tracker.adopt(b, Category.BUFFER)
         for t in tensors_of(specs, fake.inputs):
             tracker.adopt(t, Category.INPUT)
+        record = _recorder(gm, specs, fake, tracker, strict) if captured is not None and parallel is None else None
         values = bind_inputs(gm, specs, fake.inputs, model)
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
@@ -718,9 +746,38 @@ def simulate_step(
             # must know a storage's true size when it records the allocation.
             resizes = _resizes_seen(tracker) if parallel is not None else contextlib.nullcontext()
             with tracker, OpRuleMode({}, {}, layouts), _host_rng_states(tracker), resizes:
-                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels, scopes)
+                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels, scopes, record)
     fake.check_symbols()
-    return _timeline(tracker, categories, batch, fake)
+    timeline = _timeline(tracker, categories, batch, fake)
+    if captured is not None and record is not None:
+        captured(record)
+    return timeline
+
+
+# Note [One pass for the capture and the step]
+#     The saved tensors per node (``capture_saved``) and the step's timeline came from two fake
+#     passes over the same forward, at the same batch, under the same kernels and rules: the
+#     capture's forward alone cost a third of a default analyze of gpt-7b. The step's forward now
+#     records what the capture would, through the same book (fxmem/engine/capture.py): the same node
+#     charged for each storage, the same saved-by lists, kinds and sizes. Two things differ and are
+#     handled there: the step frees what eager frees, so a storage is named by the number the tracker
+#     gave it rather than by its address, which a later storage may reuse; and a constant fx made
+#     while tracing is copied afresh by the step (Note [Tensors made while tracing]), so the copy takes
+#     the constant's kind. Recording stops when the loss has run: backward's recomputations of
+#     checkpointed regions save nothing the capture counts. tests/test_timeline.py holds the recorded
+#     capture equal to ``capture_saved``'s on the zoo's models and the Hugging Face test configs.
+
+
+def _recorder(gm: fx.GraphModule, specs: Sequence[InputSpec], fake: FakeBatch, tracker: _Tracker, strict: bool) -> StepCapture:
+    """The capture the step's forward keeps, naming storages by the tracker's numbers."""
+
+    def numbered(t: torch.Tensor) -> tuple[int, object] | None:
+        entry = tracker.live.get(StorageWeakRef(storage_of(t)))
+        return (entry.number, entry.nbytes) if entry is not None else None
+
+    record = StepCapture(gm, tensors_of(specs, fake.inputs), fake, numbered)
+    record.book.strict = strict
+    return record
 
 
 def _one_rank(
@@ -744,24 +801,31 @@ def _run_step(
     model: str,
     kernels: Callable[[], AbstractContextManager[object]],
     scopes: ModuleScopes | None = None,
+    record: StepCapture | None = None,
 ) -> dict[int, Category]:
     """Run forward, loss, backward, step and zero_grad; return the categories decided along the way."""
     categories: dict[int, Category] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def activation(t: torch.Tensor) -> None:
         number = tracker.number(t)
         if number is not None:
             categories[number] = Category.ACTIVATION
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        activation(t)
+        if record is not None:
+            record.pack(t)
         return t.detach()  # not t itself: an output saved by its own grad_fn would make a reference cycle
 
     def keep_cached() -> None:
-        """What selective checkpoints kept (Note [What a selective checkpoint keeps] in fxmem/engine/recompute.py) are activations."""
+        """What selective checkpoints kept (Note [What a selective checkpoint keeps] in fxmem/engine/recompute.py)
+        are activations (the record took them as each node kept them)."""
         for t in tracker.kept:
-            pack(t)
+            activation(t)
         tracker.kept.clear()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), kernels():
-        out = _Forward(gm, tracker, fake, model, kernels, scopes).run(*values)
+        out = _Forward(gm, tracker, fake, model, kernels, scopes, record).run(*values)
         keep_cached()
         tracker.poll()  # what died after the last op is released in the phase it died in
         tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
@@ -770,7 +834,11 @@ def _run_step(
             target = loss.make_target(output)
         if target is not None:
             tracker.adopt(target, Category.INPUT)
+        if record is not None:
+            record.loss_starts(target)
         value = _guarded(fake, model, f"the loss '{loss.name}'", lambda: loss.compute(output, target))
+        if record is not None:
+            record.loss_ran(value, target, loss)
     tracker.poll()
     _mark(tracker, categories, out, Category.ACTIVATION)  # the caller holds the output
     _label_autograd(value, (LOSS_NODE, "(loss)"))
