@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -135,6 +136,15 @@ def check_ranks(ranks: tuple[RankMeasurement, ...], report: Report, batch: int, 
     lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
     assert lowest >= predicted - spread - early, (predicted, early, [m.peak for m in ranks])
     assert highest <= predicted + held + spread, (predicted, held, [m.peak for m in ranks])
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has bf16 units (AMX or AVX512-BF16), where oneDNN runs bf16 kernels of its own."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def scratch_of(op_name: str, run: Callable[[], object]) -> int:

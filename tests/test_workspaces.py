@@ -235,14 +235,15 @@ def test_onednn_strided_input_gradient_matches_the_profiler_over_a_grid() -> Non
 def test_onednn_strided_input_gradient_bounds_an_odd_number_of_channel_blocks() -> None:
     # 40 channels are three 16-channel blocks: oneDNN weighs a 16- against a 32-channel block by an
     # efficiency estimate the rule does not port, and the rule takes 32, so the weight copy it counts
-    # has 64 input channels. Here oneDNN takes 16 (a copy with 48): the rule is over by
-    # K * cout * (64 - 48) * 4 bytes, and never under.
+    # has 64 input channels. Where oneDNN takes 16 (a copy with 48; the AVX512 machine the rule was
+    # measured on) the rule is over by K * cout * (64 - 48) * 4 bytes; where it takes 32 too (the
+    # Xeon CI runs on since) it is exact; never under.
     x, w = torch.randn(2, 40, 8, 8), torch.randn(256, 40, 7, 7)
     g = torch.randn_like(torch.ops.aten.convolution(x, w, None, [2, 2], [3, 3], [1, 1], False, [0, 0], 1))
     bargs = (g, x, w, None, [2, 2], [3, 3], [1, 1], False, [0, 0], 1, [True, False, False])
     top, grads = _high_mark(lambda: torch.ops.aten.convolution_backward(*bargs))
     over = convolution_backward_workspace(bargs, {}, grads) - (top - _nbytes(grads))
-    assert over == 49 * 256 * (64 - 48) * 4
+    assert over in (0, 49 * 256 * (64 - 48) * 4)
 
 
 LSTMS = [
