@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 from torch import fx, nn
 
+from fxmem.collector import cycle_collector_paused
 from fxmem.cost.tradeoff import BN_THRESHOLD, batchnorm_layers
 from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
 from fxmem.engine.capture import BatchSpecialized, StepCapture, SymbolicUnsupported, capture_saved
@@ -47,6 +48,7 @@ from fxmem.step.training import DEFAULT_GPU, TrainingSetup
 __all__ = ["analyze"]
 
 
+@cycle_collector_paused
 def analyze(
     model: nn.Module,
     inputs: InputSpecs,

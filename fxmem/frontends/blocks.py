@@ -59,7 +59,10 @@ class BlockStack:
 
     def with_layer(self, fqn: str, layer: int) -> str:
         """``fqn`` moved to block ``layer`` (unchanged outside the list)."""
-        return self._pattern.sub(lambda m: f"{self.path}.{layer}{m.group(2)}", fqn, count=1)
+        moved = self._moved
+        if (fqn, layer) not in moved:
+            moved[(fqn, layer)] = self._pattern.sub(lambda m: f"{self.path}.{layer}{m.group(2)}", fqn, count=1)
+        return moved[(fqn, layer)]
 
     @functools.cached_property
     def _pattern(self) -> re.Pattern[str]:
@@ -67,6 +70,10 @@ class BlockStack:
 
     @functools.cached_property
     def _layers(self) -> dict[str, int | None]:
+        return {}
+
+    @functools.cached_property
+    def _moved(self) -> dict[tuple[str, int], str]:
         return {}
 
 

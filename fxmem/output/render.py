@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tabulate import tabulate
 
+from fxmem.collector import cycle_collector_paused
 from fxmem.errors import InputSpecError
 from fxmem.inputs import Constant, InputSpec, dtype_name, format_dims
 from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Timeline
@@ -302,6 +303,7 @@ def _caption(report: Report, g: _Grouped, chosen: bool) -> str:
     return "\n".join(lines)
 
 
+@cycle_collector_paused  # it may run a lazy pass (the B=1 step): Note [The cycle collector during analyze]
 def render(report: Report, fmt: str = "table", *, depth: Depth = None, top: int | None = None) -> str:
     """The report as text in one of FORMATS, or as "html": a fragment for notebooks (``Report._repr_html_``).
 
