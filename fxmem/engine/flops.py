@@ -169,10 +169,14 @@ def _unique_nbytes(leaves: Iterable[Any]) -> Count:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[object, ...]:
-    """Identity of the data a tensor covers. Sizes are compared as text: a symbolic SymInt is unhashable."""
+    """Identity of the data a tensor covers. A symbolic SymInt is unhashable: its expression stands for it."""
     if t.layout != torch.strided:
         return ("object", id(t))
-    return (StorageWeakRef(t.untyped_storage()), str(t.storage_offset()), str(tuple(t.shape)), str(t.stride()))
+    return (StorageWeakRef(t.untyped_storage()), _hashable(t.storage_offset()), *map(_hashable, t.shape), None, *map(_hashable, t.stride()))
+
+
+def _hashable(n: object) -> object:
+    return n.node.expr if isinstance(n, torch.SymInt) else n
 
 
 def _nbytes(t: torch.Tensor) -> Count:
