@@ -24,7 +24,7 @@ from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, 
 from fxmem.parallel import ParallelPlan, default_tp_plan, one_rank, tp_layers
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, Category, PerGpuState, StateBytes, Timeline
-from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
+from fxmem.rules.ops import layout_rules_for, op_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.step.passes import SHARED_BATCHES, SharedPasses, Simulate
 from fxmem.step.peak import StepPeaks
@@ -233,13 +233,13 @@ def _pipeline_rank(
     loss = get_loss(whole.loss)
 
     marks: dict[int | None, tuple[tuple[int, int], ...]] = {}
+    target = setup.step_target(impl)
 
     def simulate(b: int | None) -> StageStep:
         say(f"simulating pipeline rank {rank} at " + ("B symbolic" if b is None else f"B={b}"))
         step = simulate_stage(
-            graphs, rank, plan, whole.inputs, loss=loss, optimizer=opt, batch=b, rules=op_rules_for(setup.target),
-            workspaces=workspace_rules_for(setup.target), model=whole.model, seq=whole.seq_len if b else None, kernels=setup.kernels(),
-            optimizer_impl=impl, state_dtype=setup.state_dtype, layouts=layout_rules_for(setup.target),
+            graphs, rank, plan, whole.inputs, loss=loss, optimizer=opt, batch=b, target=target, model=whole.model,
+            seq=whole.seq_len if b else None,
         )  # fmt: skip
         marks[b] = step.marks
         return step
@@ -297,8 +297,7 @@ def _step_simulator(
     strict: bool,
 ) -> Simulate:
     """Simulates the step of a graph (the model, or its copy cut to fewer blocks) at a batch."""
-    rules, workspaces, layouts = op_rules_for(setup.target), workspace_rules_for(setup.target), layout_rules_for(setup.target)
-    kernels = setup.kernels()
+    target = setup.step_target(impl)
 
     def simulate(graph: fx.GraphModule, b: int | None, captured: Callable[[StepCapture], None] | None) -> Timeline:
         return simulate_step(
@@ -307,14 +306,9 @@ def _step_simulator(
             loss=loss,
             optimizer=opt,
             batch=b,
-            rules=rules,
-            workspaces=workspaces,
+            target=target,
             model=name,
             seq=seq if b else None,
-            kernels=kernels,
-            optimizer_impl=impl,
-            state_dtype=setup.state_dtype,
-            layouts=layouts,
             parallel=plan.within(graph) if plan is not None else None,
             strict=strict,
             captured=captured,

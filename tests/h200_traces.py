@@ -36,7 +36,7 @@ from fxmem.results import Phase, Timeline
 from fxmem.rules import TorchRelease
 from fxmem.rules.ops import op_rules_for, workspace_rules_for
 from fxmem.rules.optimizers import OptimizerRule
-from fxmem.step.timeline import simulate_step
+from fxmem.step.timeline import StepTarget, simulate_step
 
 __all__ = [
     "H200",
@@ -103,10 +103,9 @@ def simulate_on_h200(
 ) -> Timeline:
     """The step's timeline with the cuda rules and an H200's kernels (``release``'s choices; None: the
     torch fxmem runs with), under autocast to ``amp`` where given."""
-    return simulate_step(
-        gm, specs, loss=loss, optimizer=optimizer, batch=batch, rules=op_rules_for("cuda"), workspaces=workspace_rules_for("cuda"),
-        kernels=lambda: CudaTargetMode(compute_capability=H200, amp=amp, release=release),
-    )  # fmt: skip
+    kernels = lambda: CudaTargetMode(compute_capability=H200, amp=amp, release=release)
+    target = StepTarget(op_rules_for("cuda"), workspace_rules_for("cuda"), kernels=kernels)
+    return simulate_step(gm, specs, loss=loss, optimizer=optimizer, batch=batch, target=target)
 
 
 def in_blocks(nbytes: int, *, signed: bool = True) -> int:

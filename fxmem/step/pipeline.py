@@ -70,7 +70,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxmem.engine.binding import bind_inputs, fake_like, storage_of
 from fxmem.engine.capture import LOSS_NODE, FakeBatch, fake_batch, quiet_fake_tensor_log
-from fxmem.engine.dispatch import LayoutRule, OpRule, OpRuleMode
+from fxmem.engine.dispatch import OpRuleMode
 from fxmem.engine.losses import Loss
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpec, make_input
@@ -209,26 +209,23 @@ def simulate_stage(
     loss: Loss,
     optimizer: OptimizerRule,
     batch: int | None,
-    rules: Mapping[str, OpRule],
-    workspaces: Mapping[str, Any],
+    target: tl.StepTarget,
     model: str = "model",
     seq: int | None = None,
-    kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
-    optimizer_impl: str | None = None,
-    state_dtype: torch.dtype | None = None,
-    layouts: Mapping[str, LayoutRule] | None = None,
 ) -> StageStep:
-    """Rank ``rank``'s first training step (``batch`` the microbatch, None: symbolic B), torch's
-    schedule run on a fake process group under the timeline's tracker (Note [Pipeline schedules on a fake group])."""
+    """Rank ``rank``'s first training step (``batch`` the microbatch, None: symbolic B), its ops as
+    ``target`` runs them, torch's schedule run on a fake process group under the timeline's tracker
+    (Note [Pipeline schedules on a fake group])."""
+    kernels = target.kernels
 
-    fake = fake_batch(specs, batch, seq, state_dtype)
+    fake = fake_batch(specs, batch, seq, target.state_dtype)
     local = plan.local(rank)
     with quiet_fake_tensor_log(), pipeline_world(rank, plan.stages, model):
         held = _fake_copies(graphs.stages[: local[-1] + 1], fake)
         bound = [bind_inputs(graphs.whole, specs, m, model) for m in _microbatches(fake, specs, plan.microbatches, seq)]
         first = [tuple(graphs.first_inputs(b)) for b in bound]
         args = first if rank == 0 else [() for _ in bound]
-        tracker = tl._Tracker(rules, workspaces)
+        tracker = tl._Tracker(target.rules, target.workspaces)
         last = len(graphs.stages) - 1 in local
         loss_graph = _fake_copies([graphs.loss], fake)[0] if graphs.loss is not None and last else None
         run = _Run(
@@ -244,8 +241,8 @@ def simulate_stage(
         _adopt_baseline(tracker, [held[s] for s in local], schedule_stages(schedule), [list(a) for a in args], targets or [])
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
-            opt = optimizer.make(trainable, optimizer_impl) if trainable else None
-            with tracker, OpRuleMode({}, {}, layouts), tl._host_rng_states(tracker), _sends_held():
+            opt = optimizer.make(trainable, target.optimizer_impl) if trainable else None
+            with tracker, OpRuleMode({}, {}, target.layouts), tl._host_rng_states(tracker), _sends_held():
                 categories = run.step(schedule, args, targets, opt, params)
     fake.check_symbols()
     timeline = tl._timeline(tracker, categories, batch, fake)

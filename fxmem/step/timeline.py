@@ -689,6 +689,23 @@ def _label_accumulators(params: Mapping[str, torch.Tensor], value: torch.Tensor)
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
+@dataclass(frozen=True)
+class StepTarget:
+    """What the target device decides about a simulated step's ops, the same for every step of one
+    analysis (one GPU's, a pipeline rank's): the op rules (true output sizes), the workspace rules,
+    the CPU layout rules, the context the forward and the loss run in (``kernels()``: the target's
+    kernel choices and autocast policy, see ``TrainingSetup.kernels``), the optimizer's
+    implementation (None: torch's default), and the dtype floating parameters and buffers are held
+    in (None: their own; see ``capture_saved``)."""
+
+    rules: Mapping[str, OpRule] = field(default_factory=dict)
+    workspaces: Mapping[str, WorkspaceRule] = field(default_factory=dict)
+    layouts: Mapping[str, LayoutRule] | None = None
+    kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+    optimizer_impl: str | None = None
+    state_dtype: torch.dtype | None = None
+
+
 def simulate_step(
     gm: fx.GraphModule,
     specs: Sequence[InputSpec],
@@ -696,23 +713,15 @@ def simulate_step(
     loss: Loss,
     optimizer: OptimizerRule,
     batch: int | None,
-    rules: Mapping[str, OpRule],
-    workspaces: Mapping[str, WorkspaceRule],
+    target: StepTarget,
     model: str = "model",
     seq: int | None = None,
-    kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
-    optimizer_impl: str | None = None,
-    state_dtype: torch.dtype | None = None,
-    layouts: Mapping[str, LayoutRule] | None = None,
     parallel: ParallelPlan | None = None,
     strict: bool = False,
     captured: Callable[[StepCapture], None] | None = None,
 ) -> Timeline:
-    """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2).
-
-    The forward and the loss run inside ``kernels()`` (the target's kernels and autocast policy, see
-    ``TrainingSetup.kernels``); the optimizer is built with ``optimizer_impl`` (None: torch's default).
-    ``state_dtype`` holds floating parameters and buffers in that dtype (see ``capture_saved``).
+    """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2), its ops
+    as ``target`` runs them.
 
     With ``parallel``, the step is one rank's of an FSDP2 run of that many ranks (fxmem/parallel):
     ``batch`` is then the rank's own batch.
@@ -723,9 +732,9 @@ def simulate_step(
 
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
     """
-    fake = fake_batch(specs, batch, seq, state_dtype)
+    fake = fake_batch(specs, batch, seq, target.state_dtype)
     with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log(), _one_rank(gm, parallel, fake, model) as (gm, scopes):
-        tracker = _Tracker(rules, workspaces)
+        tracker = _Tracker(target.rules, target.workspaces)
         tracker._sharded = parallel is not None
         params = dict(gm.named_parameters())
         for name, p in params.items():
@@ -740,13 +749,13 @@ def simulate_step(
         values = bind_inputs(gm, specs, fake.inputs, model)
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
-            opt = optimizer.make(trainable, optimizer_impl) if trainable else None  # a frozen model has no step to take
+            opt = optimizer.make(trainable, target.optimizer_impl) if trainable else None  # a frozen model has no step to take
             # OpRuleMode on top only decomposes composite ops as eager CPU does, so that their inner ops
             # reach the tracker below it one by one; the tracker applies the op rules itself, since it
             # must know a storage's true size when it records the allocation.
             resizes = _resizes_seen(tracker) if parallel is not None else contextlib.nullcontext()
-            with tracker, OpRuleMode({}, {}, layouts), _host_rng_states(tracker), resizes:
-                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, kernels, scopes, record)
+            with tracker, OpRuleMode({}, {}, target.layouts), _host_rng_states(tracker), resizes:
+                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, target.kernels, scopes, record)
     fake.check_symbols()
     timeline = _timeline(tracker, categories, batch, fake)
     if captured is not None and record is not None:

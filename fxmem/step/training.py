@@ -24,6 +24,7 @@ from fxmem.step.sharding import check_plan
 
 if TYPE_CHECKING:
     from fxmem.gpu.gpus import GpuSpec
+    from fxmem.step.timeline import StepTarget
 
 __all__ = ["AMP_DTYPES", "DEFAULT_GPU", "IMPLS", "SHARDS", "TARGETS", "TrainingSetup", "amp_dtype"]
 
@@ -189,6 +190,14 @@ class TrainingSetup:
         if amp is not None:
             return lambda: torch.autocast("cpu", dtype=amp)
         return LinearAsReal
+
+    def step_target(self, optimizer_impl: str | None) -> StepTarget:
+        """What the target decides about every simulated step of this setup (``StepTarget``)."""
+        from fxmem.rules.ops import layout_rules_for, op_rules_for, workspace_rules_for
+        from fxmem.step.timeline import StepTarget
+
+        t = self.target
+        return StepTarget(op_rules_for(t), workspace_rules_for(t), layout_rules_for(t), self.kernels(), optimizer_impl, self.state_dtype)
 
     def describe(self) -> str:
         """One line for the report's header."""
