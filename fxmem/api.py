@@ -138,7 +138,7 @@ def analyze(
         )  # fmt: skip
         return _pipelined(
             model, one_gpu, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, name=name, fsdp=fsdp, tp=tp, sp=sp,
-            peak=peak, optimizer=optimizer, leaf_types=leaf_types, frontend=frontend, progress=progress,
+            peak=peak, optimizer=optimizer, progress=progress,
         )  # fmt: skip
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
@@ -174,7 +174,7 @@ def analyze(
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
         bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold, checkpointed=len(checkpoint_regions(gm)),
-        fsdp_units=plan.units if plan is not None else (),
+        fsdp_units=plan.units if plan is not None else (), graph=gm,
     )  # fmt: skip
 
 
@@ -192,13 +192,11 @@ def _pipelined(
     sp: bool,
     peak: bool,
     optimizer: str,
-    leaf_types: tuple[type, ...],
-    frontend: str,
     progress: Callable[[str], None] | None,
 ) -> Report:
     """``analyze`` with ``pp`` pipeline stages: the whole model's saved bytes per node (a pipeline
     moves no node's; ``one_gpu`` analyzes it without a step), and every rank's step simulated
-    (fxmem/step/pipeline.py)."""
+    (fxmem/step/pipeline.py) on stages split from the graph ``one_gpu`` traced."""
     if fsdp != 1 or tp != 1 or sp or not peak:
         raise InputSpecError(
             f"model '{name}': --pp {pp} simulates each rank's step alone; with --fsdp, --tp, --sp or --no-peak (peak=False) it is not modelled yet."
@@ -214,8 +212,7 @@ def _pipelined(
             stacklevel=3,
         )
     say = progress or _silent
-    traced = trace_model(model, whole.inputs, name=name, leaf_types=leaf_types, frontend=frontend)
-    graphs = split_stages(traced.gm, plan, name)
+    graphs = split_stages(whole.graph, plan, name)
     ranks = tuple(_pipeline_rank(graphs, r, plan, whole, whole.setup, optimizer, say) for r in range(pp))
     highest = max(ranks, key=lambda r: r.peak(whole.batch).bytes)
     highest.steps.path = f"rank {highest.rank} of {plan.describe()}, the highest at B={whole.batch}"

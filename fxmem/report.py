@@ -64,6 +64,8 @@ class Report:
     """With ``--fsdp``: the modules fully_shard wrapped as units before the root."""
     pipeline: Any = None
     """With ``--pp``: every rank of the pipeline (a ``fxmem.parallel.pipeline_report.PipelineRun``); ``steps`` is then the highest rank's."""
+    graph: Any = field(default=None, compare=False, repr=False)
+    """The traced graph module the analysis ran (a pipeline splits its stages from it rather than trace again)."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
