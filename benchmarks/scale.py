@@ -20,6 +20,7 @@ triggered (the B=1 step, say) is billed to that pass. Model construction is time
     python benchmarks/scale.py gpt-7b                     # one
     python benchmarks/scale.py --default-vs-memtracker    # only the default-analyze vs MemTracker block
     python benchmarks/scale.py --by-depth                 # only the default analyze at 8, 32 and 80 layers
+    python benchmarks/scale.py --in-process               # only the default analyze of the 70B-class GPT and Llama-3.1-8B, by stage
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ CASES = {
 BATCH = 8
 VERSUS = "--default-vs-memtracker"
 BY_DEPTH = "--by-depth"
+IN_PROCESS = "--in-process"
+LLAMA = "llama-3.1-8b"
+"""The Llama-3.1-8B config (benchmarks/configs), analyzed at 4096 tokens and B=1 as its CLI line is."""
+IN_PROCESS_TARGET_S = 4.0
+"""Issue 19's in-process target for the 70B-class GPT's and Llama-3.1-8B's default analyze."""
 DEPTHS = (8, 32, 80)
 """Layer counts of the depth rows: gpt-7b's width (4096, 32 heads) at each."""
 RENDERING = "rendering the report"
@@ -49,6 +55,12 @@ def _build(name: str):  # type: ignore[no-untyped-def]
     import torch
 
     from models_zoo.gpt2_small import GPT
+
+    if name == LLAMA:  # built by the hf: loader on the meta device, as the CLI builds it
+        from fxmem.frontends.load import load_model
+
+        spec = load_model(f"hf:{Path(__file__).parent / 'configs' / 'llama-3.1-8b.json'}")
+        return spec.model, spec.inputs
 
     if name.startswith("depth-"):  # gpt-7b's width at another depth
         layers, (_, dim, heads, vocab, ctx) = int(name.removeprefix("depth-")), CASES["gpt-7b"]
@@ -107,7 +119,11 @@ def _default_analyze(model: Any, inputs: list[str], name: str) -> dict[str, Any]
 
     marks: list[tuple[str, float]] = [(BEFORE_FIRST, time.perf_counter())]
     say = lambda message: marks.append((message, time.perf_counter()))
-    report = fxmem.analyze(model, inputs, loss="lm_cross_entropy", batch=BATCH, name=f"zoo:{name}", peak=True, target="cuda", progress=say)
+    if name == LLAMA:  # as `fxmem analyze hf:<config> --seq-len 4096 --batch 1` runs it
+        setting = {"loss": "auto", "batch": 1, "seq_len": 4096, "name": f"hf:{name}"}
+    else:
+        setting = {"loss": "lm_cross_entropy", "batch": BATCH, "name": f"zoo:{name}"}
+    report = fxmem.analyze(model, inputs, peak=True, target="cuda", progress=say, **setting)
     say(RENDERING)
     text = render(report, "table")
     end = time.perf_counter()
@@ -266,6 +282,20 @@ def _by_depth() -> None:
     print(tabulate(rows, headers=["layers", "default analyze s", "GB RSS", "step simulated from"], disable_numparse=True))
 
 
+def _in_process() -> None:
+    """fxmem's default analyze of the 70B-class GPT (B=8) and of Llama-3.1-8B (4096 tokens, B=1) in
+    process, each against IN_PROCESS_TARGET_S, with its time by stage."""
+    names = ["gpt-70b"] + ([LLAMA] if _has_transformers() else [])
+    for name in names:
+        ours = _run(name, "default")
+        print(
+            f"default analyze, {name} in process: {ours['wall_s']:.2f} s (target {IN_PROCESS_TARGET_S:.0f} s), "
+            f"{ours['peak_rss'] / 2**30:.2f} GB RSS; step from {ours['path']['step'].split(' (')[0]}"
+        )
+        print(_split_table(ours["stages"], ours["wall_s"]))
+        print()
+
+
 def _memtracker_caveat(theirs: dict[str, Any]) -> None:
     """Say plainly when MemTracker did not run the whole step, so its time is not read as a full step's."""
     missing = [p for p in ("forward", "loss", "backward", "optimizer step") if p not in theirs["phases"]]
@@ -294,6 +324,9 @@ def main(argv: list[str]) -> int:
     if argv == [BY_DEPTH]:
         _by_depth()
         return 0
+    if argv == [IN_PROCESS]:
+        _in_process()
+        return 0
     names = argv or list(CASES)
     _table(names)
     if "gpt-7b" in names:
@@ -305,6 +338,8 @@ def main(argv: list[str]) -> int:
         _default_vs_memtracker()
         print()
         _by_depth()
+        print()
+        _in_process()
     return 0
 
 
