@@ -266,18 +266,12 @@ class StepCapture:
     def loss_ran(self, value: object, target: object, loss: Loss) -> None:
         """The loss ran: what it returned is its own, and the forward's recording ends (backward's
         recomputations save nothing the forward did not)."""
-        self.book.claim((value, target), LOSS_NODE)
-        self.infos.append(NodeInfo(LOSS_NODE, "loss", loss.name, "(loss)", ()))
+        self.infos.append(_loss_ran(self.book, value, target, loss))
         self.recording = False
 
     def capture(self, batch: int | None) -> Capture:
         """The capture, once the step has run; raises SymbolicUnsupported as ``capture_saved`` does."""
-        try:
-            saved = self.book.saved_tensors()
-        except ValueError as e:
-            raise SymbolicUnsupported(str(e)) from e
-        unsupported = tuple(Unsupported(node, _fqn_of(self.infos, node), why) for node, why in self.book.unsupported)
-        return Capture(batch, tuple(self.infos), saved, self.book.input_bytes(), unsupported)
+        return _captured(self.book, self.infos, batch)
 
 
 def _has_storage(t: torch.Tensor) -> bool:
@@ -445,6 +439,11 @@ def _run_loss(out: object, loss: Loss, book: _Book, model: str) -> NodeInfo:
         book.add_input(target)
     with torch.autograd.graph.saved_tensors_hooks(book.pack, _unpack):
         value = loss.compute(output, target)
+    return _loss_ran(book, value, target, loss)
+
+
+def _loss_ran(book: _Book, value: object, target: object, loss: Loss) -> NodeInfo:
+    """What the loss returned is its own; its line among the nodes."""
     book.claim((value, target), LOSS_NODE)
     return NodeInfo(LOSS_NODE, "loss", loss.name, "(loss)", ())
 
@@ -487,6 +486,11 @@ def capture_saved(
         with fake.mode, OpRuleMode(rules, book.overrides, layouts), kernels():
             infos = _run(gm, book, values, loss, model, scopes)
     fake.check_symbols()
+    return _captured(book, infos, batch)
+
+
+def _captured(book: _Book, infos: Sequence[NodeInfo], batch: int | None) -> Capture:
+    """The pass's record; SymbolicUnsupported where its bytes are no polynomial in B (and S)."""
     try:
         saved = book.saved_tensors()
     except ValueError as e:  # bytes like floor(B/3): not a polynomial, so concrete passes take over
