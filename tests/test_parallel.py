@@ -130,8 +130,13 @@ def test_fsdp_hugging_face_llama_through_export(first_step: bool) -> None:
     assert [m.saved for m in ranks] == [report.activation_bytes(2)] * 2
     assert ranks[0].baseline == baseline
     lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
-    assert abs(predicted.bytes - lowest) <= 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
     unit = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())  # one layer's gathered weights
+    # The lowest rank is the simulated one, or, on a loaded machine, that plus one layer's gathered
+    # weights (37,120 B: 9,280 fp32 parameters) that gloo's work object still holds on both ranks
+    # (Note [Collective outputs a real rank holds longer] in tests/helpers.py; seen in the first
+    # step, 345,192 B simulated against 382,312 B on each rank, while another test ran beside it).
+    off = min(abs(lowest - predicted.bytes), abs(lowest - predicted.bytes - unit))
+    assert off <= 0.01 * lowest, (predicted.bytes, unit, [m.peak for m in ranks])
     assert highest <= predicted.bytes + unit + 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
 
 
