@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -136,6 +136,17 @@ def check_ranks(ranks: tuple[RankMeasurement, ...], report: Report, batch: int, 
     lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
     assert lowest >= predicted - spread - early, (predicted, early, [m.peak for m in ranks])
     assert highest <= predicted + held + spread, (predicted, held, [m.peak for m in ranks])
+
+
+def assert_rank_peaks(peaks: Sequence[int], predicted: int, unit: int) -> None:
+    """Real FSDP2 ranks against the simulated rank's peak ``predicted``: none below it by more than 1%,
+    none above it by more than ``unit`` (one unit's gathered weights) and 1%. A rank is the simulated
+    one to the byte on most runs; on some, one rank or both hold a unit's gathered weights later,
+    when gloo's asynchronous collectives complete (Note [Ranks of one real step] in
+    fxmem/measure_ranks.py: 15,360 B, the GPT test config's root, and 50,560 B on the other rank in
+    one CI run here; 37,120 B, a Llama test layer, on both ranks in two)."""
+    slack = 0.01 * predicted
+    assert all(predicted - slack <= p <= predicted + unit + slack for p in peaks), (predicted, unit, list(peaks))
 
 
 def cpu_computes_bf16() -> bool:

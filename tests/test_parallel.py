@@ -19,7 +19,7 @@ from fxmem.measure_ranks import measure_ranks
 from fxmem.parallel import fake_world
 from fxmem.results import Category
 from models_zoo.gpt2_small import build
-from tests.helpers import cpu_computes_bf16, tiny_llama
+from tests.helpers import assert_rank_peaks, cpu_computes_bf16, tiny_llama
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 
@@ -73,8 +73,8 @@ def test_fsdp_shards_state_and_keeps_activations(simulated: fxmem.Report) -> Non
 @pytest.mark.parametrize("first_step", [False, True], ids=["steady", "first"])
 def test_fsdp_rank_matches_real_ranks(simulated: fxmem.Report, first_step: bool) -> None:
     """The same step on two real processes: each rank's saved activations and starting state are the
-    simulated rank's to the byte, and its peak within 1% of the lowest rank's (Note [Ranks of one real
-    step] in fxmem/measure_ranks.py: on some runs one rank frees one unit's gathered weights later)."""
+    simulated rank's to the byte, and its peak within ``assert_rank_peaks``'s bound (Note [Ranks of one
+    real step] in fxmem/measure_ranks.py: on some runs a rank frees one unit's gathered weights later)."""
     model, inputs = _gpt()
     ranks = measure_ranks(model, inputs, BATCH, fsdp=2, units=simulated.fsdp_units, first_step=first_step)
     predicted = simulated.peak(BATCH, first_step=first_step)
@@ -85,10 +85,8 @@ def test_fsdp_rank_matches_real_ranks(simulated: fxmem.Report, first_step: bool)
     # size, but the optimizer's moments (zeros_like of the shard) are one row smaller, each
     short = 0 if first_step else sum(2 * (p.numel() // p.shape[0]) * p.element_size() for p in model.parameters() if p.shape[0] % 2)
     assert [m.baseline for m in ranks] == [baseline, baseline - short]
-    lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
-    assert abs(predicted.bytes - lowest) <= 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
     unit = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())  # one block's gathered weights
-    assert highest <= predicted.bytes + unit + 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
+    assert_rank_peaks([m.peak for m in ranks], predicted.bytes, unit)
     assert predicted.phase == min(ranks, key=lambda m: m.peak).phase
 
 
@@ -129,15 +127,8 @@ def test_fsdp_hugging_face_llama_through_export(first_step: bool) -> None:
     baseline = sum(v.at(2) for v in report.timeline(2, first_step=first_step).baseline.values())
     assert [m.saved for m in ranks] == [report.activation_bytes(2)] * 2
     assert ranks[0].baseline == baseline
-    lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
     unit = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())  # one layer's gathered weights
-    # The lowest rank is the simulated one, or, on a loaded machine, that plus one layer's gathered
-    # weights (37,120 B: 9,280 fp32 parameters) that gloo's work object still holds on both ranks
-    # (Note [Collective outputs a real rank holds longer] in tests/helpers.py; seen in the first
-    # step, 345,192 B simulated against 382,312 B on each rank, while another test ran beside it).
-    off = min(abs(lowest - predicted.bytes), abs(lowest - predicted.bytes - unit))
-    assert off <= 0.01 * lowest, (predicted.bytes, unit, [m.peak for m in ranks])
-    assert highest <= predicted.bytes + unit + 0.01 * lowest, (predicted.bytes, [m.peak for m in ranks])
+    assert_rank_peaks([m.peak for m in ranks], predicted.bytes, unit)  # 37,120 B: 9,280 fp32 parameters
 
 
 def test_cli_analyze_and_measure_with_fsdp(capsys: pytest.CaptureFixture[str]) -> None:
@@ -172,11 +163,8 @@ def test_fsdp_mixed_precision_policy() -> None:
         # ranks peak 34,240 B (6%) above the simulated one (558,452 B against 592,692 and 592,948 B);
         # which bf16 kernel holds the extra bytes is not found yet. The saved bytes above are exact.
         pytest.xfail("the bf16 step's peak on a CPU with bf16 units is not modelled yet")
-    lowest, highest = min(m.peak for m in ranks), max(m.peak for m in ranks)
-    predicted = report.peak(BATCH).bytes
-    assert abs(predicted - lowest) <= 0.01 * lowest, (predicted, [m.peak for m in ranks])
     unit = sum(p.numel() * 2 for p in model.blocks[0].parameters())  # one block's weights gathered in bf16
-    assert highest <= predicted + unit + 0.01 * lowest, (predicted, [m.peak for m in ranks])
+    assert_rank_peaks([m.peak for m in ranks], report.peak(BATCH).bytes, unit)
 
 
 def test_ranks_need_a_model_they_can_be_handed() -> None:
