@@ -16,9 +16,9 @@ from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_
 from fxmem.engine.capture import BatchSpecialized, StepCapture, SymbolicUnsupported, capture_saved
 from fxmem.engine.losses import Loss, get_loss
 from fxmem.errors import CaptureError, FxmemError, FxmemWarning, InputSpecError
-from fxmem.frontends.blocks import BlockStack, cut_to, find_block_stack
+from fxmem.frontends.blocks import BlockStack
 from fxmem.frontends.checkpointing import checkpoint_regions
-from fxmem.frontends.tracing import trace_model
+from fxmem.frontends.deepen import trace_blocks
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.parallel import ParallelPlan, default_tp_plan, one_rank, tp_layers
@@ -151,10 +151,9 @@ def analyze(
     say = progress or _silent
     model.train()
     say("tracing the model")
-    traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
+    traced, shallow = trace_blocks(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
     plan = _parallel_plan(model, setup, fsdp_units, _sequence_plan(model, tp, tp_plan, sp, name), peak, name)
-    shallow = _shallow_graphs(model, gm, specs, name, leaf_types, traced.frontend)
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     simulate = _step_simulator(specs, loss_fn, opt, name, seq, setup, impl, plan, strict)
     shared = SharedPasses(simulate) if peak and plan is None else None  # Note [One pass for the capture and the step]
@@ -373,24 +372,6 @@ def _fast_path(
         return None, f"the whole model (its blocks do not repeat exactly: {e})"
     path = _shallow_path(stack)
     return ShallowSteps(stack, to_four, to_full, lambda depth, b: simulate(graphs[depth], b)), path
-
-
-def _shallow_graphs(
-    model: nn.Module, gm: fx.GraphModule, specs: tuple[InputSpec, ...], name: str, leaf_types: tuple[type, ...], frontend: str
-) -> tuple[BlockStack, dict[int, fx.GraphModule]] | None:
-    """The model's block stack and its graphs cut to 3 and 4 blocks, or None where the step is
-    simulated whole: no stack, checkpointed regions, or a model that does not trace with fewer blocks."""
-    stack = find_block_stack(model)
-    if stack is None or checkpoint_regions(gm):
-        return None
-    graphs: dict[int, fx.GraphModule] = {}
-    for depth in (3, 4):
-        with cut_to(model, stack, depth):
-            try:
-                graphs[depth] = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend).gm
-            except FxmemError:  # the model needs all its blocks: it is simulated whole
-                return None
-    return stack, graphs
 
 
 def _account(

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import fxmem
-import fxmem.api
+import fxmem.frontends.deepen
 from fxmem.output.render import render
 from fxmem.report import Report
 from fxmem.results import Timeline
@@ -84,13 +84,13 @@ def _meta(factory: Callable[[], nn.Module]) -> nn.Module:
 
 def _analyze(model: nn.Module, inputs: object, loss: str, whole: bool, **kw: object) -> Report:
     """fxmem.analyze, with the block stack hidden where ``whole`` (the whole model is simulated)."""
-    found = fxmem.api.find_block_stack
+    found = fxmem.frontends.deepen.find_block_stack
     if whole:
-        fxmem.api.find_block_stack = lambda model: None  # type: ignore[assignment]
+        fxmem.frontends.deepen.find_block_stack = lambda model: None  # type: ignore[assignment]
     try:
         return fxmem.analyze(model, inputs, loss=loss, batch=8, **kw)  # type: ignore[arg-type]
     finally:
-        fxmem.api.find_block_stack = found
+        fxmem.frontends.deepen.find_block_stack = found
 
 
 def _same_step(a: Timeline, b: Timeline) -> None:

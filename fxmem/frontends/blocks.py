@@ -7,7 +7,9 @@ Note [Repeated blocks]
     block's (fxmem/step/repeats.py), and keeps them only where the same extension of the 3-block
     results reproduces the 4-block ones exactly, event for event and storage for storage; anywhere
     else the whole model runs. Cutting the list keeps every block's own name (``blocks.0`` to
-    ``blocks.2``), so the shallow results' names are the full model's.
+    ``blocks.2``), so the shallow results' names are the full model's. A model that only torch.export
+    traces is not even exported whole: its graph is built from the 4-block export (Note [An exported
+    graph deepened from its copy] in deepen.py).
 
     A stack qualifies when it is an ``nn.ModuleList`` or ``nn.Sequential`` of at least
     ``MIN_DEPTH`` modules of one class whose parameters and buffers have the same names, shapes,
@@ -31,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 __all__ = ["MIN_DEPTH", "BlockStack", "cut_to", "find_block_stack"]
@@ -56,6 +59,14 @@ class BlockStack:
             match = self._pattern.match(fqn)
             known[fqn] = int(match.group(1)) if match else None
         return known[fqn]
+
+    def node_layer(self, n: fx.Node) -> int | None:
+        """The block an fx node belongs to: a module call's or a weight's by its target (an exported
+        graph's ``get_attr`` nodes carry no module stack), any other node's by its innermost module."""
+        if n.op in ("call_module", "get_attr"):
+            return self.layer_of(str(n.target))
+        module_stack = n.meta.get("nn_module_stack") or {}
+        return self.layer_of(str(list(module_stack.values())[-1][0])) if module_stack else None
 
     def with_layer(self, fqn: str, layer: int) -> str:
         """``fqn`` moved to block ``layer`` (unchanged outside the list)."""

@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import torch.fx as fx
 
-from fxmem.engine.capture import node_fqn
 from fxmem.frontends.blocks import BlockStack
 from fxmem.results import Capture, Category, MemoryEvent, NodeInfo, OpCostRecord, Timeline
 from fxmem.symbolic import ByteExpr
@@ -78,13 +77,13 @@ class Names:
         for n in shallow.nodes:
             if n.op not in kinds:
                 continue
-            layer = _block(stack, n)
+            layer = stack.node_layer(n)
             source[n.name] = (layer, counts.get(layer, 0))
             counts[layer] = counts.get(layer, 0) + 1
         target: dict[int | None, list[str]] = {}
         for n in full.nodes:
             if n.op in kinds:
-                target.setdefault(_block(stack, n), []).append(n.name)
+                target.setdefault(stack.node_layer(n), []).append(n.name)
         per_block = {len(names) for layer, names in target.items() if layer is not None} | {
             count for layer, count in counts.items() if layer is not None
         }
@@ -120,12 +119,6 @@ class Names:
     def fqn(self, fqn: str, to: Callable[[int], int]) -> str:
         layer = self.stack.layer_of(fqn)
         return fqn if layer is None else self.stack.with_layer(fqn, to(layer))
-
-
-def _block(stack: BlockStack, n: fx.Node) -> int | None:
-    """The block a node belongs to; for a weight read by ``get_attr``, the block its path names (an
-    exported graph's ``get_attr`` nodes carry no module stack)."""
-    return stack.layer_of(str(n.target)) if n.op == "get_attr" else stack.layer_of(node_fqn(n))
 
 
 def names_for(
