@@ -84,6 +84,7 @@ def analyze(
     microbatches: int = 1,
     schedule: str = "1f1b",
     pp_splits: Iterable[int] | None = None,
+    stages_per_rank: int | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -121,8 +122,9 @@ def analyze(
     a 2-D mesh of ``fsdp x tp`` ranks (Note [Tensor parallel plans] in fxmem/parallel/tensor.py).
     ``sp`` (with ``tp``) takes the model's sequence-parallel plan instead: the norms and the residual
     stream split along the sequence between the tensor-parallel layers (Note [Sequence parallel]).
-    ``pp`` (P > 1) splits the repeated blocks into P pipeline stages (2P under "interleaved", two per
-    rank; ``pp_splits``: the first block of each stage after the first) and simulates every rank's
+    ``pp`` (P > 1) splits the repeated blocks into P pipeline stages (V x P under "interleaved", V =
+    ``stages_per_rank`` per rank, 2 by default; ``pp_splits``: the first block of each stage after
+    the first) and simulates every rank's
     step by running torch's own schedule (``schedule``: "gpipe", "1f1b" or "interleaved") over
     ``microbatches`` microbatches of ``batch`` samples on a
     fake process group (Note [Pipeline stages] in fxmem/parallel/pipeline_split.py): ``report.pipeline``
@@ -137,8 +139,8 @@ def analyze(
             overheads=overheads, bn_threshold=bn_threshold, torch_version=torch_version,
         )  # fmt: skip
         return _pipelined(
-            model, one_gpu, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, name=name, fsdp=fsdp, tp=tp, sp=sp,
-            peak=peak, optimizer=optimizer, progress=progress,
+            model, one_gpu, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, virtual=stages_per_rank, name=name,
+            fsdp=fsdp, tp=tp, sp=sp, peak=peak, optimizer=optimizer, progress=progress,
         )  # fmt: skip
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
@@ -146,7 +148,7 @@ def analyze(
     check_batch(batch)
     bn_threshold = _check_threshold(bn_threshold)
     _check_model_args(model, leaf_types)
-    _warn_unused(setup, specs, seq_len)
+    _warn_unused(setup, specs, seq_len, _pipeline_options(microbatches, schedule, pp_splits, stages_per_rank))
     seq = _seq_len(specs, seq_len)
     say = progress or _silent
     model.train()
@@ -185,6 +187,7 @@ def _pipelined(
     microbatches: int,
     schedule: str,
     splits: Iterable[int] | None,
+    virtual: int | None,
     name: str,
     fsdp: int,
     tp: int,
@@ -200,7 +203,7 @@ def _pipelined(
         raise InputSpecError(
             f"model '{name}': --pp {pp} simulates each rank's step alone; with --fsdp, --tp, --sp or --no-peak (peak=False) it is not modelled yet."
         )
-    plan = pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name)
+    plan = pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name, virtual)
     whole = one_gpu()
     if whole.setup is not None and whole.setup.cuda:
         warnings.warn(
@@ -520,9 +523,19 @@ def _pass(
     return run
 
 
-def _warn_unused(setup: TrainingSetup, specs: tuple[InputSpec, ...], seq_len: int | None) -> None:
+def _pipeline_options(microbatches: int, schedule: str, splits: Iterable[int] | None, virtual: int | None) -> list[str]:
+    """The pipeline options given without ``pp``, as the CLI spells them."""
+    given = [f"--microbatches {microbatches}"] if microbatches != 1 else []
+    given += [f"--schedule {schedule}"] if schedule != "1f1b" else []
+    given += [f"--pp-split {s}" for s in splits or ()]
+    return given + ([f"--stages-per-rank {virtual}"] if virtual is not None else [])
+
+
+def _warn_unused(setup: TrainingSetup, specs: tuple[InputSpec, ...], seq_len: int | None, pipeline: list[str] = []) -> None:
     """One FxmemWarning for each option given that changes nothing here (shown once by the CLI)."""
     unused = list(setup.unused())
+    if pipeline:
+        unused.append(f"{', '.join(pipeline)}: pipeline options, with no effect without --pp P (pp=P); pass --pp, or drop them.")
     if seq_len is not None and not has_seq(specs):
         unused.append(
             f"--seq-len {seq_len} has no effect: no input has a symbolic sequence axis S "

@@ -134,8 +134,9 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--sp", action="store_true", help="with --tp: sequence parallel, the model's own plan for it (the norms and the residual stream split along the sequence between the tensor-parallel layers)")
     g.add_argument("--pp", type=_positive_int, default=1, metavar="P", help="simulate every rank of pipeline parallel over P stages: the repeated blocks split into P contiguous stages (the embeddings on the first, the head and the loss on the last), torch's own schedule run on a fake process group; --batch is the microbatch")
     g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M", help="with --pp: microbatches per step (a step takes M x --batch samples)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved runs 2 stages per rank, ScheduleInterleaved1F1B)")
-    g.add_argument("--pp-split", action="append", type=int, metavar="BLOCK", help="with --pp: the first block of each stage after the first (repeat P - 1 times, 2P - 1 with --schedule interleaved; default as even as the blocks allow)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved runs --stages-per-rank stages per rank, ScheduleInterleaved1F1B)")
+    g.add_argument("--stages-per-rank", type=_positive_int, default=None, metavar="V", help="with --pp and --schedule interleaved: stages on each rank, V x P in all (default 2)")
+    g.add_argument("--pp-split", action="append", type=int, metavar="BLOCK", help="with --pp: the first block of each stage after the first (repeat P - 1 times, V x P - 1 with --schedule interleaved; default as even as the blocks allow)")
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
     g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
@@ -154,6 +155,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
         "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
         "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "pp_splits": args.pp_split,
+        "stages_per_rank": args.stages_per_rank,
     }  # fmt: skip
 
 
@@ -491,7 +493,8 @@ def _measure_pipeline(args: argparse.Namespace, spec: ModelSpec, report: Report,
         raise InputSpecError("measure --peak --pp runs the ranks on this machine's CPU with gloo: give --target cpu, without --amp or --optimizer-impl.")
     say(f"running one training step for real on {args.pp} CPU processes (torchrun, gloo) at B={args.batch} per microbatch")
     ranks = measure_ranks(
-        materialize(spec.model), spec.inputs, args.batch, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule, loss=spec.loss,
+        materialize(spec.model), spec.inputs, args.batch, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
+        stages_per_rank=args.stages_per_rank, splits=args.pp_split, loss=spec.loss,
         optimizer=get_optimizer(args.optimizer).name, first_step=args.first_step, seq_len=report.seq_len,
     )  # fmt: skip
     rows, worst = [], 0.0

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,8 @@ def measure_ranks(
     microbatches: int = 1,
     schedule: str = "1f1b",
     prepare: Callable[[nn.Module], nn.Module] | None = None,
+    stages_per_rank: int | None = None,
+    splits: Sequence[int] | None = None,
 ) -> tuple[RankMeasurement, ...]:
     """Run one real training step of ``model`` on ``fsdp x tp`` CPU processes: sharded by FSDP2 over
     ``fsdp`` data-parallel ranks (``units`` wrapped first, then the root) and by tensor parallel over
@@ -102,7 +104,8 @@ def measure_ranks(
     (``apply_plan`` in fxmem/parallel); ``batch`` samples on each data-parallel rank; each rank's
     measurement. ``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
     ``pp`` (P > 1, alone): pipeline parallel over P processes instead, ``microbatches`` microbatches of
-    ``batch`` samples each in the order ``schedule`` gives (fxmem/measure_pipeline.py). ``prepare``
+    ``batch`` samples each in the order ``schedule`` gives (fxmem/measure_pipeline.py), with
+    ``stages_per_rank`` and ``splits`` as ``analyze`` takes them. ``prepare``
     (picklable: a module-level function or a ``functools.partial`` of one) is applied to each rank's
     model before it is sharded, as a user applies activation checkpointing before ``fully_shard``."""
     check_batch(batch)
@@ -111,7 +114,7 @@ def measure_ranks(
     name = type(model).__name__
     layers = tp_layers(model, tp, tp_plan, name) if isinstance(tp, int) and tp > 1 else ()
     plan = ParallelPlan(fsdp, tuple(units) if fsdp > 1 else (), mixed=mixed, tp=tp, tp_layers=layers)
-    pipeline = _pipeline(model, plan, pp, microbatches, schedule, name)
+    pipeline = _pipeline(model, plan, pp, microbatches, schedule, name, stages_per_rank, splits)
     world = pipeline.stages if pipeline is not None else plan.world_size
     if world < 2:
         raise InputSpecError(
@@ -137,13 +140,22 @@ def measure_ranks(
         return tuple(_read(folder / f"rank{r}.json") for r in range(world))
 
 
-def _pipeline(model: nn.Module, plan: ParallelPlan, pp: int, microbatches: int, schedule: str, name: str) -> PipelinePlan | None:
+def _pipeline(
+    model: nn.Module,
+    plan: ParallelPlan,
+    pp: int,
+    microbatches: int,
+    schedule: str,
+    name: str,
+    virtual: int | None,
+    splits: Sequence[int] | None,
+) -> PipelinePlan | None:
     """The pipeline plan of a ``pp > 1`` run (None otherwise), which composes with nothing else yet."""
     if pp == 1:
         return None
     if plan.world_size > 1:
         raise InputSpecError(f"model '{name}': --pp {pp} with --fsdp or --tp is not modelled yet; measure one parallelism at a time.")
-    return pipeline_plan(model, pp, microbatches, schedule, name=name)
+    return pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name, virtual)
 
 
 def _launch(folder: Path, ranks: int, timeout: float, name: str) -> None:

@@ -37,13 +37,13 @@ def _gpt() -> tuple[nn.Module, list[str]]:
 def test_plan_refuses_what_the_engine_refuses() -> None:
     """Each refusal names the model and the number at fault."""
     model, _ = _gpt()
-    with pytest.raises(InputSpecError, match=r"2 blocks in 'blocks' cannot fill 3 pipeline stages"):
+    with pytest.raises(InputSpecError, match=r"2 blocks in 'blocks' cannot fill 3 pipeline stages .* use --pp 2 or fewer\.$"):
         pipeline_plan(model, 3, 4, "gpipe", name="gpt")
     with pytest.raises(InputSpecError, match=r"1f1b schedule needs at least one microbatch per stage.*1 microbatches for 2 stages"):
         pipeline_plan(model, 2, 1, "1f1b", name="gpt")
     with pytest.raises(InputSpecError, match=r"max\(1, M // P\) = 2 of them for 5 microbatches .* choose --microbatches 4"):
         pipeline_plan(model, 2, 5, "interleaved", name="gpt")
-    with pytest.raises(InputSpecError, match=r"2 blocks in 'blocks' cannot fill 4 pipeline stages, 2 per rank,"):
+    with pytest.raises(InputSpecError, match=r"2 blocks in 'blocks' cannot fill 4 pipeline stages, 2 per rank, .* use --schedule 1f1b"):
         pipeline_plan(model, 2, 4, "interleaved", name="gpt")
     with pytest.raises(InputSpecError, match=r"split points \[2\] must be 1 increasing block indices in 1\.\.1"):
         pipeline_plan(model, 2, 4, "gpipe", splits=[2], name="gpt")
@@ -51,6 +51,16 @@ def test_plan_refuses_what_the_engine_refuses() -> None:
         pipeline_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), 2, 2, "gpipe")
     with pytest.raises(InputSpecError, match=r"--schedule 'zigzag' is not one of"):
         pipeline_plan(model, 2, 4, "zigzag")
+    with pytest.raises(InputSpecError, match=r"--stages-per-rank 3 applies to --schedule interleaved .* 1f1b runs one stage per rank"):
+        pipeline_plan(model, 2, 4, "1f1b", name="gpt", stages_per_rank=3)
+    with pytest.raises(InputSpecError, match=r"--stages-per-rank 1 under --schedule interleaved leaves nothing to interleave"):
+        pipeline_plan(model, 2, 4, "interleaved", name="gpt", stages_per_rank=1)
+    with pytest.raises(InputSpecError, match=r"--stages-per-rank needs a whole number, 1 or more; got 0"):
+        pipeline_plan(model, 2, 4, "interleaved", name="gpt", stages_per_rank=0)
+    with pytest.raises(
+        InputSpecError, match=r"6 blocks in 'blocks' cannot fill 8 pipeline stages, 4 per rank, .* use --stages-per-rank 3 or fewer\.$"
+    ):
+        pipeline_plan(_gpt6(), 2, 4, "interleaved", name="gpt", stages_per_rank=4)
 
 
 def test_stages_hold_their_own_parameters() -> None:
@@ -145,6 +155,15 @@ def test_gpipe_holds_every_microbatch() -> None:
     assert [r.in_flight(BATCH) for r in report.pipeline.ranks] == [MICRO, MICRO]
 
 
+def test_pipeline_options_without_pp_warn() -> None:
+    model, inputs = _gpt()
+    with pytest.warns(
+        fxmem.FxmemWarning,
+        match=r"--microbatches 4, --schedule interleaved, --stages-per-rank 3: pipeline options, with no effect without --pp",
+    ):
+        fxmem.analyze(model, inputs, microbatches=4, schedule="interleaved", stages_per_rank=3, peak=False)
+
+
 def test_cli_analyze_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["analyze", "zoo:gpt2-small:test", "--target", "cpu", "--pp", "2", "--microbatches", "2", "--batch", "2"]) == 0
     out = capsys.readouterr().out
@@ -237,3 +256,33 @@ def test_interleaved_ranks_match_real_ranks() -> None:
     # Receive buffers, M x one (B, 16, 32) fp32 tensor (8 KiB) each: rank 0's stage 0 receives
     # gradients, its stage 2 activations and gradients; rank 1's stage 1 both, its stage 3 activations.
     assert [report.pipeline.change(r, BATCH).receive_buffers for r in (0, 1)] == [3 * MICRO * BATCH * 16 * 32 * FLOAT] * 2
+
+
+def _gpt6() -> nn.Module:
+    """The zoo GPT's test config with 6 blocks: three stages on each of 2 ranks."""
+    return GPT(101, 16, 32, 6, 4, dropout=0.1, tied=True)
+
+
+@pytest.mark.parametrize("first_step", [False, True])
+def test_three_stages_per_rank_match_real_ranks(first_step: bool) -> None:
+    """ScheduleInterleaved1F1B with V = 3 stages per rank (stage i on rank i mod 2: blocks 0, 2, 4 on
+    rank 0 and 1, 3, 5 on rank 1), 4 microbatches of 4, against the real ranks. In flight at the
+    peak, from torch's ``_get_warmup_ops``: rank r warms up with (V - 1) x M/rounds + 2 x (P - 1 - r)
+    forwards, rounds = max(1, M // P) = 2: (3 - 1) x 2 + 2 = 6 on rank 0 and 4 on rank 1, and runs one
+    more before its first backward: 7 and 5."""
+    _, inputs = _gpt()
+    run = dict(pp=2, microbatches=MICRO, schedule="interleaved", loss="lm_cross_entropy", stages_per_rank=3)
+    report = fxmem.analyze(_gpt6(), inputs, batch=BATCH, target="cpu", **run)  # type: ignore[arg-type]
+    plan = report.pipeline.plan
+    assert (plan.local(0), plan.local(1), report.pipeline.ranks[1].blocks) == ((0, 2, 4), (1, 3, 5), "blocks.1, blocks.3, blocks.5")
+    assert "2 ranks, 6 stages" in plan.describe()
+    measured = measure_ranks(_gpt6(), inputs, BATCH, first_step=first_step, **run)  # type: ignore[arg-type]
+    for m, r in zip(measured, report.pipeline.ranks, strict=True):
+        assert m.saved == r.activations.at(BATCH), (m.rank, m.saved, r.activations)
+        predicted = r.peak(BATCH, first_step=first_step)
+        assert abs(predicted.bytes - m.peak) <= 0.01 * m.peak, (m.rank, predicted.bytes, m.peak)
+        assert predicted.phase == m.phase
+    assert [r.in_flight(BATCH) for r in report.pipeline.ranks] == [7, 5]
+    # Receive buffers, M x one (B, 16, 32) fp32 tensor each: rank 0's stage 0 receives gradients, its
+    # stages 2 and 4 activations and gradients; rank 1's stages 1 and 3 both, its stage 5 activations.
+    assert [report.pipeline.change(r, BATCH).receive_buffers for r in (0, 1)] == [5 * MICRO * BATCH * 16 * 32 * FLOAT] * 2

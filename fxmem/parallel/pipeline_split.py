@@ -110,18 +110,30 @@ class PipelinePlan:
 
 
 def pipeline_plan(
-    model: nn.Module, stages: int, microbatches: int, schedule: str, splits: Sequence[int] | None = None, name: str = "model"
+    model: nn.Module,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    splits: Sequence[int] | None = None,
+    name: str = "model",
+    stages_per_rank: int | None = None,
 ) -> PipelinePlan:
     """The plan for ``stages`` ranks, checked against the model and what torch's schedules accept.
 
     ``splits``: the first block of each stage after the first (increasing block indices, one fewer than
-    the stages: P - 1, or 2P - 1 interleaved);
-    default as even as the blocks allow, earlier stages taking the remainder."""
-    for option, value in (("--pp", stages), ("--microbatches", microbatches)):
+    the stages: P - 1, or V x P - 1 interleaved);
+    default as even as the blocks allow, earlier stages taking the remainder. ``stages_per_rank`` (V):
+    the interleaved schedule's stages on each rank (default ``INTERLEAVED_STAGES_PER_RANK``); the
+    other schedules run one."""
+    for option, value in (
+        ("--pp", stages),
+        ("--microbatches", microbatches),
+        ("--stages-per-rank", 1 if stages_per_rank is None else stages_per_rank),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise InputSpecError(f"{option} needs a whole number, 1 or more; got {value!r}.")
     kind = _schedule(schedule)
-    virtual = INTERLEAVED_STAGES_PER_RANK if kind is Schedule.INTERLEAVED else 1
+    virtual = _stages_per_rank(kind, stages_per_rank, name)
     rounds = max(1, microbatches // stages)
     if kind is Schedule.INTERLEAVED and microbatches % rounds:
         raise InputSpecError(
@@ -144,8 +156,27 @@ def pipeline_plan(
 
 
 INTERLEAVED_STAGES_PER_RANK = 2
-"""Stages per rank under the interleaved schedule (torchtitan's default for looped schedules is
-stages enough for its layers-per-stage; two is the smallest that interleaves)."""
+"""Stages per rank under the interleaved schedule where none is given (torchtitan's default for looped
+schedules is stages enough for its layers-per-stage; two is the smallest that interleaves)."""
+
+
+def _stages_per_rank(kind: Schedule, given: int | None, name: str) -> int:
+    """V: as given under the interleaved schedule (2 or more: one stage per rank is 1f1b), else 1."""
+    if kind is not Schedule.INTERLEAVED:
+        if given not in (None, 1):
+            raise InputSpecError(
+                f"model '{name}': --stages-per-rank {given} applies to --schedule interleaved (torch's "
+                f"ScheduleInterleaved1F1B); {kind.value} runs one stage per rank. Pass --schedule interleaved, or drop it."
+            )
+        return 1
+    if given is None:
+        return INTERLEAVED_STAGES_PER_RANK
+    if given < 2:
+        raise InputSpecError(
+            f"model '{name}': --stages-per-rank {given} under --schedule interleaved leaves nothing to interleave; "
+            "pass 2 or more, or --schedule 1f1b for one stage per rank."
+        )
+    return given
 
 
 def _block_list(model: nn.Module) -> BlockStack | None:
@@ -171,9 +202,12 @@ def _bounds(stack: BlockStack, ranks: int, virtual: int, splits: Sequence[int] |
     stages = ranks * virtual
     if stages > stack.depth:
         per = f", {virtual} per rank," if virtual > 1 else ""
+        fewer = [f"--pp {stack.depth // virtual} or fewer"] if stack.depth // virtual >= 2 else []
+        if virtual > 1 and stack.depth // ranks >= 2:
+            fewer.append(f"--stages-per-rank {stack.depth // ranks} or fewer")
         raise InputSpecError(
             f"model '{name}': {stack.depth} blocks in '{stack.path}' cannot fill {stages} pipeline stages{per} (each stage "
-            f"runs one block at least); use --pp {stack.depth // virtual} or fewer."
+            f"runs one block at least); use {' or '.join(fewer) or '--schedule 1f1b (one stage per rank)'}."
         )
     if splits is None:
         size, extra = divmod(stack.depth, stages)
