@@ -140,7 +140,7 @@ def analyze(
         )  # fmt: skip
         return _pipelined(
             model, one_gpu, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, virtual=stages_per_rank, name=name,
-            fsdp=fsdp, tp=tp, sp=sp, peak=peak, optimizer=optimizer, progress=progress,
+            fsdp=fsdp, tp=tp, sp=sp, peak=peak, optimizer=optimizer, param_dtype=param_dtype, progress=progress,
         )  # fmt: skip
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
@@ -194,6 +194,7 @@ def _pipelined(
     sp: bool,
     peak: bool,
     optimizer: str,
+    param_dtype: torch.dtype | None,
     progress: Callable[[str], None] | None,
 ) -> Report:
     """``analyze`` with ``pp`` pipeline stages: the whole model's saved bytes per node (a pipeline
@@ -205,18 +206,10 @@ def _pipelined(
         )
     plan = pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name, virtual)
     whole = one_gpu()
-    if whole.setup is not None and whole.setup.cuda:
-        warnings.warn(
-            f"--pp {pp} on the cuda target: each rank's peak is the bytes its tensors hold; the caching allocator's rounding and "
-            "the device's fixed costs are not replayed per pipeline rank yet, so the device total and the largest batch are "
-            "read off the tensors alone (use --target cpu to compare with a real CPU run).",
-            FxmemWarning,
-            stacklevel=3,
-        )
     say = progress or _silent
     graphs = split_stages(whole.graph, plan, name)
-    ranks = tuple(_pipeline_rank(graphs, r, plan, whole, whole.setup, optimizer, say) for r in range(pp))
-    highest = max(ranks, key=lambda r: r.peak(whole.batch).bytes)
+    ranks = tuple(_pipeline_rank(graphs, r, plan, whole, whole.setup, optimizer, param_dtype, say) for r in range(pp))
+    highest = max(ranks, key=lambda r: r.steps.device_bytes(whole.batch))
     highest.steps.path = f"rank {highest.rank} of {plan.describe()}, the highest at B={whole.batch}"
     state = whole.state
     held = OneGpu(state.weights + state.buffers + state.master + state.optimizer, whole.activation_bytes)
@@ -224,12 +217,23 @@ def _pipelined(
 
 
 def _pipeline_rank(
-    graphs: StageGraphs, rank: int, plan: PipelinePlan, whole: Report, setup: TrainingSetup, optimizer: str, say: Callable[[str], None]
+    graphs: StageGraphs,
+    rank: int,
+    plan: PipelinePlan,
+    whole: Report,
+    setup: TrainingSetup,
+    optimizer: str,
+    param_dtype: torch.dtype | None,
+    say: Callable[[str], None],
 ) -> PipelineRank:
-    """One rank's simulated steps: symbolic in B (its saved bytes per node from it), B=1, others on demand."""
+    """One rank's simulated steps: symbolic in B (its saved bytes per node from it), B=1, others on
+    demand; on a cuda target each replayed through the caching allocator on top of the fixed costs,
+    with the state of this rank's stages (Note [Per-GPU state in the replay] in fxmem/gpu/device.py)."""
     opt = get_optimizer(optimizer)
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     loss = get_loss(whole.loss)
+    held = nn.ModuleList([graphs.stages[s] for s in plan.local(rank)])  # a weight two of its stages read, once
+    device = _state(held, opt, param_dtype, setup, impl)[2]
 
     marks: dict[int | None, tuple[tuple[int, int], ...]] = {}
     target = setup.step_target(impl)
@@ -244,7 +248,9 @@ def _pipeline_rank(
         return step
 
     symbolic = simulate(None)
-    steps = StepPeaks(symbolic.timeline, {}, lambda b: simulate(b).timeline, whole.seq_len, make_batch_one=lambda: simulate(1).timeline)
+    steps = StepPeaks(
+        symbolic.timeline, {}, lambda b: simulate(b).timeline, whole.seq_len, make_batch_one=lambda: simulate(1).timeline, device=device
+    )
     params = sum(v.fixed for c, v in symbolic.timeline.baseline.items() if c == Category.PARAMETER)
     return PipelineRank(rank, plan.role(rank), plan.blocks(rank), params, symbolic.saved, steps, marks)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from fxmem.output.render import format_bytes
 from fxmem.parallel.pipeline_report import OneGpu, PipelineRun, RankChange
+from fxmem.results import DevicePeak
 
 __all__ = ["render_pipeline"]
 
@@ -20,11 +21,18 @@ def render_pipeline(run: PipelineRun, batch: int, seq: int | None = None) -> str
         lines.append(
             f"  rank {r.rank} ({r.role}, {r.blocks}): parameters {format_bytes(r.parameters)}, saved per microbatch "
             f"{format_bytes(r.activations.at(batch, seq))}, peak {format_bytes(steady.bytes)} steady / {format_bytes(first.bytes)} first step, "
-            f"in {steady.phase.value} at {steady.node}"
+            f"in {steady.phase.value} at {steady.node}{_on_the_device(steady.device)}"
         )
         if run.one_gpu is not None:
             lines.append("    " + _against_one_gpu(run.change(r.rank, batch), run.one_gpu, batch, plan.virtual, format_bytes))
     return "\n".join(lines) + "\n"
+
+
+def _on_the_device(device: DevicePeak | None) -> str:
+    """The steady peak as the GPU holds it (the allocator's blocks, and nvidia-smi's total), on a cuda target."""
+    if device is None:
+        return ""
+    return f"; on the {device.gpu}: allocated {format_bytes(device.allocated)}, nvidia-smi {format_bytes(device.total)}"
 
 
 def _against_one_gpu(change: RankChange, one: OneGpu, batch: int, virtual: int, size: Callable[[int], str]) -> str:
