@@ -376,11 +376,11 @@ def _fast_path(
         return None, "the whole model"
     stack, graphs = shallow
     try:
-        to_four, to_full = names_for(stack, graphs, gm)
+        names = names_for(stack, graphs, gm)
     except NotRepeating as e:
         return None, f"the whole model (its blocks do not repeat exactly: {e})"
     path = _shallow_path(stack)
-    return ShallowSteps(stack, to_four, to_full, lambda depth, b: simulate(graphs[depth], b)), path
+    return ShallowSteps(names, lambda depth, b: simulate(graphs[depth], b)), path
 
 
 def _account(
@@ -410,7 +410,7 @@ def _account(
             return alone
         return lambda b, s: shared.capture(graph, b, lambda: alone(b, s)) if b in SHARED_BATCHES else alone(b, s)
 
-    run, path = _fast_capture(gm, shallow, make)
+    run, path = _fast_capture(gm, shallow, make, seq)
     return replace(_passes(run, say, seq, "simulating the training step and its saved tensors" if shared else ""), path=path())
 
 
@@ -441,20 +441,22 @@ def _fast_capture(
     gm: fx.GraphModule,
     shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None,
     make: Callable[[fx.GraphModule], Callable[[int | None, int | None], Capture]],
+    seq: int | None = None,
 ) -> tuple[Callable[[int | None, int | None], Capture], Callable[[], str]]:
     """The capture pass at (batch, seq), from the shallow copies while they extend exactly, else on
-    the whole model; and, once the passes have run, which of the two they took."""
+    the whole model; and, once the passes have run, which of the two they took. ``seq``: the length
+    the B=1 pass runs at."""
     whole = make(gm)
     if shallow is None:
         return whole, lambda: "the whole model"
     stack, graphs = shallow
     try:
-        to_four, to_full = names_for(stack, graphs, gm, CAPTURED)
+        names = names_for(stack, graphs, gm, CAPTURED)
     except NotRepeating as e:
         why = f"the whole model ({e})"
         return whole, lambda: why
     passes = {depth: make(graph) for depth, graph in graphs.items()}
-    fast: list[ShallowCaptures] = [ShallowCaptures(stack, to_four, to_full, lambda d, b, s: passes[d](b, s))]
+    fast: list[ShallowCaptures] = [ShallowCaptures(names, lambda d, b, s: passes[d](b, s), seq)]
     path = [_shallow_path(stack)]
 
     def run(batch: int | None, seq: int | None) -> Capture:

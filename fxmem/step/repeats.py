@@ -22,23 +22,28 @@ Note [Extending a step by its middle block]
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple, TypeVar
 
 import torch.fx as fx
 
+from fxmem.engine.capture import BatchSpecialized, SymbolicUnsupported
+from fxmem.errors import FxmemError
 from fxmem.frontends.blocks import BlockStack
 from fxmem.results import Capture, Category, MemoryEvent, NodeInfo, OpCostRecord, Timeline
 from fxmem.symbolic import ByteExpr
 
 __all__ = [
     "CAPTURED",
+    "Growth",
     "Names",
     "NotRepeating",
     "ShallowCaptures",
+    "ShallowNames",
     "ShallowSteps",
     "extend_baseline",
     "extend_capture",
@@ -121,13 +126,34 @@ class Names:
         return fqn if layer is None else self.stack.with_layer(fqn, to(layer))
 
 
+@dataclass(frozen=True)
+class ShallowNames:
+    """The names a shallow result is renamed by: from the 3-block graph to the 4-block one and to the
+    whole model's, and from the 4-block graph to itself (a middle block's copy in block 2's place)
+    and to the whole model's."""
+
+    to_four: Names
+    to_full: Names
+    four_to_four: Names
+    four_to_full: Names
+
+    @property
+    def stack(self) -> BlockStack:
+        return self.to_four.stack
+
+
 def names_for(
     stack: BlockStack, graphs: Mapping[int, fx.GraphModule], full: fx.GraphModule, kinds: tuple[str, ...] = _RUNNING
-) -> tuple[Names, Names]:
-    """The names from the 3-block graph to the 4-block one and to ``full``; NotRepeating where they
-    do not correspond."""
-    three = graphs[3].graph
-    return Names.of(stack, three, graphs[4].graph, 4, kinds), Names.of(stack, three, full.graph, stack.depth, kinds)
+) -> ShallowNames:
+    """The names from the 3- and 4-block graphs to the 4-block one and to ``full``; NotRepeating
+    where they do not correspond."""
+    three, four, whole = graphs[3].graph, graphs[4].graph, full.graph
+    return ShallowNames(
+        Names.of(stack, three, four, 4, kinds),
+        Names.of(stack, three, whole, stack.depth, kinds),
+        Names.of(stack, four, four, 4, kinds),
+        Names.of(stack, four, whole, stack.depth, kinds),
+    )
 
 
 @dataclass(frozen=True)
@@ -143,17 +169,17 @@ class _Piece:
     ascending: bool = True
 
 
-def extend_timeline(shallow: Timeline, deeper: Timeline, depth: int, to_depth: int, names: Names, to_deeper: Names) -> Timeline:
+def extend_timeline(shallow: Timeline, growth: Growth, depth: int, to_depth: int, names: Names) -> Timeline:
     """The step of ``to_depth`` blocks from ``shallow``, a step of ``depth`` (3 or more) (Note [Extending a step
-    by its middle block]). ``deeper`` is the step with one block more, whose names ``to_deeper``
-    gives, for the ops outside the sweeps (Note [One cost for all the parameters]). Raises
-    NotRepeating where the events do not read as sweeps."""
+    by its middle block]); what one more block adds to the ops outside the sweeps is ``growth`` (Note
+    [One cost for all the parameters]). Raises NotRepeating where the events do not read as sweeps."""
     if depth < 3 or to_depth < depth or len(shallow.contexts) != len(shallow.events):
         raise NotRepeating("needs a step of at least 3 blocks, with each event's running module")
     tags = [_event_tag(e, c, names.stack) for e, c in zip(shallow.events, shallow.contexts)]
-    plan = _plan([e.phase for e in shallow.events], tags, depth, to_depth)
-    events = _copy_events(shallow.events, plan, depth, to_depth, names)
-    costs = _extend_costs(shallow.costs, deeper.costs, depth, to_depth, names, to_deeper)
+    phases = [e.phase for e in shallow.events]
+    plan = _plan(phases, tags, depth, to_depth)
+    events = _copy_events(shallow.events, plan, _pieces(phases, tags, depth), depth, to_depth, names)
+    costs = _extend_costs(shallow.costs, growth, depth, to_depth, names)
     return replace(shallow, events=events, costs=costs, contexts=())
 
 
@@ -168,23 +194,114 @@ def extend_timeline(shallow: Timeline, deeper: Timeline, depth: int, to_depth: i
 #     other difference outside the sweeps stops the extension.
 
 
-def _extend_costs(
-    small: Sequence[OpCostRecord], big: Sequence[OpCostRecord], depth: int, to_depth: int, names: Names, to_deeper: Names
-) -> tuple[OpCostRecord, ...]:
-    pieces = _pieces([c.phase for c in small], [names.stack.layer_of(c.fqn) for c in small], depth)
-    fixed_big = [p for p in _pieces([c.phase for c in big], [names.stack.layer_of(c.fqn) for c in big], depth + 1) if p.kind == "fixed"]
-    if len(fixed_big) != sum(p.kind == "fixed" for p in pieces):
+class _RunGrowth(NamedTuple):
+    """One run of equal ops outside the sweeps: its op and length in the step it is applied to, and
+    what one more block adds: ops to the run, or bytes and FLOPs to a foreach op."""
+
+    base: OpCostRecord
+    length: int
+    added: int
+    flops: ByteExpr
+    read: ByteExpr
+    written: ByteExpr
+
+    @property
+    def grows(self) -> bool:
+        return bool(self.added) or any(e != ByteExpr() for e in (self.flops, self.read, self.written))
+
+
+@dataclass(frozen=True)
+class Growth:
+    """What one more block adds to the ops outside the sweeps (Note [One cost for all the parameters]),
+    per fixed piece, per run of equal ops."""
+
+    pieces: tuple[tuple[_RunGrowth, ...], ...]
+
+    @staticmethod
+    def between(small: Timeline, big: Timeline, depth: int, names: Names, onto_big: bool = False) -> Growth:
+        """Read off the steps of ``depth`` and ``depth + 1`` blocks (``names`` renames the smaller one's
+        records as the bigger step names them), to be applied to the smaller step, or with
+        ``onto_big`` to the bigger one (or a step alike, at another batch)."""
+        edge = _edges(depth, depth + 1)
+        rename = lambda r: replace(r, node=names.node(r.node, edge), fqn=names.fqn(r.fqn, edge))
+        mine, theirs = _fixed_pieces(small.costs, depth, names.stack), _fixed_pieces(big.costs, depth + 1, names.stack)
+        if len(mine) != len(theirs):
+            raise NotRepeating("the ops outside the sweeps differ with one more block")
+        return Growth(tuple(_run_growth([rename(r) for r in a], b, onto_big) for a, b in zip(mine, theirs)))
+
+    def onto(self, costs: Sequence[OpCostRecord], depth: int, stack: BlockStack) -> Growth:
+        """This growth (read with ``onto_big``) for a step of ``depth + 1`` blocks at another batch,
+        whose ops outside the sweeps are ``costs``': where the batch changes which ops run there
+        (backward of a slice at B=1 only), the runs that grow are found among them by op, node and
+        module, each whole; NotRepeating where one is not."""
+        pieces = _fixed_pieces(costs, depth + 1, stack)
+        if len(pieces) != len(self.pieces):
+            raise NotRepeating("the ops outside the sweeps differ between the batches")
+        return Growth(tuple(_aligned(runs, records) for runs, records in zip(self.pieces, pieces)))
+
+
+def _aligned(runs: tuple[_RunGrowth, ...], records: list[OpCostRecord]) -> tuple[_RunGrowth, ...]:
+    """``runs`` laid over ``records``: each growing run where the same ops stand, the rest of
+    ``records`` as runs of their own that do not grow."""
+    key = lambda r: (r.phase, r.op, r.node, r.fqn)
+    theirs = [key(run.base) for run in runs for _ in range(run.length)]
+    starts = list(itertools.accumulate((run.length for run in runs), initial=0))
+    moved: dict[int, int] = {}
+    for tag, i1, i2, j1, _ in difflib.SequenceMatcher(None, [key(r) for r in records], theirs, autojunk=False).get_opcodes():
+        if tag == "equal":
+            moved.update({j1 + k: i1 + k for k in range(i2 - i1)})
+    placed: dict[int, _RunGrowth] = {}
+    for run, start in zip(runs, starts):
+        if not run.grows:
+            continue
+        first = moved.get(start, -1)
+        if first < 0 or any(moved.get(start + k) != first + k for k in range(run.length)):
+            raise NotRepeating(f"the op {run.base.op} at {run.base.node}, which grows with the blocks, does not run at both batches")
+        placed[first] = run
+    out: list[_RunGrowth] = []
+    k = 0
+    while k < len(records):
+        here = placed.get(k, _RunGrowth(records[k], 1, 0, ByteExpr(), ByteExpr(), ByteExpr()))
+        out.append(here)
+        k += here.length
+    return tuple(out)
+
+
+def _fixed_pieces(costs: Sequence[OpCostRecord], depth: int, stack: BlockStack) -> list[list[OpCostRecord]]:
+    pieces = _pieces([c.phase for c in costs], [stack.layer_of(c.fqn) for c in costs], depth)
+    return [list(costs[p.start : p.end]) for p in pieces if p.kind == "fixed"]
+
+
+def _run_growth(mine: list[OpCostRecord], theirs: list[OpCostRecord], onto_big: bool) -> tuple[_RunGrowth, ...]:
+    """One fixed piece's runs, ``mine`` (named as with one more block) against ``theirs`` (the step
+    with one more block): the same ops, where a run may be longer and a foreach op cost more."""
+    ours, other = _run_lengths(mine), _run_lengths(theirs)
+    if len(ours) != len(other):
         raise NotRepeating("the ops outside the sweeps differ with one more block")
-    edge, edge_deeper = _edges(depth, to_depth), _edges(depth, depth + 1)
+    runs = []
+    for (record, count), (deeper, deeper_count) in zip(ours, other):
+        if record != deeper:
+            same_op = replace(deeper, flops=record.flops, read=record.read, written=record.written) == record
+            if not same_op or count != 1 or deeper_count != 1 or not record.op.startswith(("aten._foreach_", "aten._fused_")):
+                raise NotRepeating(f"the op {record.op} at {record.node} differs with one more block")
+        base, length = (deeper, deeper_count) if onto_big else (record, count)
+        added = (deeper.flops - record.flops, deeper.read - record.read, deeper.written - record.written)
+        runs.append(_RunGrowth(base, length, deeper_count - count, *added))
+    return tuple(runs)
+
+
+def _extend_costs(small: Sequence[OpCostRecord], growth: Growth, depth: int, to_depth: int, names: Names) -> tuple[OpCostRecord, ...]:
+    pieces = _pieces([c.phase for c in small], [names.stack.layer_of(c.fqn) for c in small], depth)
+    if len(growth.pieces) != sum(p.kind == "fixed" for p in pieces):
+        raise NotRepeating("the ops outside the sweeps differ from those the growth was read from")
+    edge = _edges(depth, to_depth)
     out: list[OpCostRecord] = []
     rename = lambda r, to, n=names: replace(r, node=n.node(r.node, to), fqn=n.fqn(r.fqn, to))
     i, f = 0, 0
     while i < len(pieces):
         piece = pieces[i]
         if piece.kind == "fixed":
-            mine = [rename(r, edge_deeper, to_deeper) for r in small[piece.start : piece.end]]
-            theirs = big[fixed_big[f].start : fixed_big[f].end]
-            grown = _grown(list(small[piece.start : piece.end]), mine, list(theirs), to_depth - depth)
+            grown = _grown(list(small[piece.start : piece.end]), growth.pieces[f], to_depth - depth)
             out.extend(rename(r, edge) for r in grown)
             i, f = i + 1, f + 1
             continue
@@ -194,33 +311,36 @@ def _extend_costs(
     return tuple(out)
 
 
-def _grown(records: list[OpCostRecord], mine: list[OpCostRecord], theirs: list[OpCostRecord], blocks: int) -> list[OpCostRecord]:
-    """Ops outside the sweeps with ``blocks`` more blocks: ``mine`` (``records`` named as with one
-    more block) against ``theirs`` (the step with one more block), run by run (Note [One cost for
-    all the parameters])."""
-    ours, other = _run_lengths(mine), _run_lengths(theirs)
-    if len(ours) != len(other):
-        raise NotRepeating("the ops outside the sweeps differ with one more block")
+def _grown(records: list[OpCostRecord], runs: tuple[_RunGrowth, ...], blocks: int) -> list[OpCostRecord]:
+    """A fixed piece's ops with ``blocks`` more blocks: each run longer by its ops per block, each
+    foreach op costing more by its bytes and FLOPs per block. ``records`` are the runs the growth is
+    for, op for op and in the same lengths (names aside: they may be another depth's, and costs
+    aside, another batch's), a run that grows cost for cost as well."""
+    if len(records) != sum(run.length for run in runs):
+        raise NotRepeating("the ops outside the sweeps differ from those the growth was read from")
     out: list[OpCostRecord] = []
     at = 0
-    for (record, count), (deeper, deeper_count) in zip(ours, other):
-        original = records[at]
-        at += count
-        if record == deeper:
-            out.extend([original] * (count + blocks * (deeper_count - count)))
-            continue
-        same_op = replace(deeper, flops=record.flops, read=record.read, written=record.written) == record
-        if not same_op or count != 1 or deeper_count != 1 or not record.op.startswith(("aten._foreach_", "aten._fused_")):
-            raise NotRepeating(f"the op {record.op} at {record.node} differs with one more block")
-        grow = lambda a, b: a + (b - a) * blocks
-        out.append(
-            replace(
-                original,
-                flops=grow(record.flops, deeper.flops),
-                read=grow(record.read, deeper.read),
-                written=grow(record.written, deeper.written),
+    for run in runs:
+        span, at = records[at : at + run.length], at + run.length
+        base = run.base
+        for record in span:
+            if (record.phase, record.op, record.dtype, record.has_formula) != (base.phase, base.op, base.dtype, base.has_formula):
+                raise NotRepeating(f"the op {record.op} at {record.node} is not the op the growth was read from ({base.op})")
+            if run.grows and (record.flops, record.read, record.written) != (base.flops, base.read, base.written):
+                raise NotRepeating(f"the op {record.op} at {record.node} costs other than where its growth was read")
+        if not run.grows:
+            out.extend(span)
+        elif run.added:
+            out.extend(span + [span[-1]] * (blocks * run.added))
+        else:
+            out.append(
+                replace(
+                    span[0],
+                    flops=span[0].flops + run.flops * blocks,
+                    read=span[0].read + run.read * blocks,
+                    written=span[0].written + run.written * blocks,
+                )
             )
-        )
     return out
 
 
@@ -229,18 +349,22 @@ def _run_lengths(records: Sequence[OpCostRecord]) -> list[tuple[OpCostRecord, in
 
 
 def extend_baseline(
-    shallow: Timeline, deeper: Timeline, depth: int, to_depth: int
+    shallow: Timeline, deeper: Timeline, depth: int, to_depth: int, onto: Timeline | None = None
 ) -> tuple[dict[Category, ByteExpr], tuple[tuple[Category, ByteExpr], ...]]:
     """The baseline (by category, and storage by storage) of ``to_depth`` blocks from those of
     ``depth`` and ``depth + 1``: what one more block inserts (its parameters among the parameters,
-    its buffers among the buffers) inserted ``to_depth - depth`` times."""
+    its buffers among the buffers) inserted ``to_depth - depth`` times. With ``onto`` (the deeper
+    step at another batch), its storages are the ones extended, placed as the deeper step's are."""
     small, big = shallow.baseline_storages, deeper.baseline_storages
+    base = big if onto is None else onto.baseline_storages
+    if len(base) != len(big) or [c for c, _ in base] != [c for c, _ in big]:
+        raise NotRepeating("the baseline's storages differ between the batches")
     storages: list[tuple[Category, ByteExpr]] = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, small, big, autojunk=False).get_opcodes():
         if tag == "equal":
-            storages.extend(small[i1:i2])
-        elif tag == "insert":
-            storages.extend(big[j1:j2] * (to_depth - depth))
+            storages.extend(small[i1:i2] if onto is None else base[j1:j2])
+        elif tag == "insert" and base[j1:j2] == big[j1:j2]:
+            storages.extend(base[j1:j2] * (to_depth - depth))
         else:
             raise NotRepeating("one more block changes the baseline's storages, not only adds to them")
     baseline: dict[Category, ByteExpr] = {}
@@ -249,44 +373,128 @@ def extend_baseline(
     return baseline, tuple(storages)
 
 
+# Note [The symbolic step from four blocks]
+#     The symbolic passes cost most (SymInt arithmetic in every op of every block), so the symbolic
+#     step and capture are not made from a 3-block symbolic pass: they are the 4-block ones, extended
+#     by their block 1 (a middle block, as block 2 is) to the full depth. What that rests on is
+#     checked twice: at B=1, the 3-block step and capture extended to 4 blocks must be the 4-block
+#     ones, as always (the blocks repeat, and nothing depends on the depth); and at B symbolic,
+#     the 4-block step rebuilt from its block 1 must be itself, event for event, op for op and
+#     storage for storage (blocks 1 and 2 alike there too). What one more block adds outside the
+#     sweeps (Note [One cost for all the parameters]) is read off the B=1 pair: the optimizer's ops
+#     do not depend on the batch, and where the symbolic step's ops there are not those of B=1, op
+#     for op and cost for cost, the 3-block symbolic pass runs after all. So does it wherever the
+#     B=1 pair cannot be had (a model that cannot train on one sample).
+
+_NO_BATCH_ONE = (NotRepeating, FxmemError, SymbolicUnsupported, BatchSpecialized)
+"""Why the symbolic result may not be made from four blocks: the B=1 pair fails or does not extend."""
+
+
 @dataclass(frozen=True)
 class ShallowSteps:
     """A model's step from its copies cut to 3 and 4 blocks (Note [Repeated blocks] in
-    fxmem/frontends/blocks.py): ``simulate(depth, batch)`` runs one of them."""
+    fxmem/frontends/blocks.py): ``simulate(depth, batch)`` runs one of them, each once."""
 
-    stack: BlockStack
-    to_four: Names
-    to_full: Names
+    names: ShallowNames
     simulate: Callable[[int, int | None], Timeline]
+    made: dict[tuple[int, int | None], Timeline | Exception] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def stack(self) -> BlockStack:
+        return self.names.stack
+
+    def step(self, depth: int, batch: int | None) -> Timeline:
+        """The step of ``depth`` blocks at ``batch``, simulated once (a failure raised again)."""
+        return _once(self.made, (depth, batch), lambda: self.simulate(depth, batch))
 
     def timeline(self, batch: int | None) -> Timeline:
         """The full model's first-step timeline at ``batch``; NotRepeating where the 3-block step
-        extended to 4 blocks is not the 4-block step, event for event and op for op."""
-        three, four = self.simulate(3, batch), self.simulate(4, batch)
-        guess = extend_timeline(three, four, 3, 4, self.to_four, self.to_four)
+        extended to 4 blocks is not the 4-block step, event for event and op for op. The symbolic
+        one from the 4-block step (Note [The symbolic step from four blocks])."""
+        if batch is None:
+            with contextlib.suppress(*_NO_BATCH_ONE):
+                return self._from_four()
+        three, four = self.step(3, batch), self.step(4, batch)
+        growth = self._checked(three, four)
+        full = extend_timeline(three, growth, 3, self.stack.depth, self.names.to_full)
+        baseline, storages = extend_baseline(three, four, 3, self.stack.depth)
+        return replace(full, baseline=baseline, baseline_storages=storages, checks=four.checks, corrected=four.corrected)
+
+    def _checked(self, three: Timeline, four: Timeline) -> Growth:
+        """What one more block adds outside the sweeps; NotRepeating unless the 3-block step extended
+        to 4 blocks is ``four``."""
+        growth = Growth.between(three, four, 3, self.names.to_four)
+        guess = extend_timeline(three, growth, 3, 4, self.names.to_four)
         if guess.events != four.events or guess.costs != four.costs:
             raise NotRepeating(_first_difference(guess, four))
-        full = extend_timeline(three, four, 3, self.stack.depth, self.to_full, self.to_four)
-        baseline, storages = extend_baseline(three, four, 3, self.stack.depth)
+        return growth
+
+    def _from_four(self) -> Timeline:
+        three_1, four_1 = self.step(3, 1), self.step(4, 1)
+        self._checked(three_1, four_1)
+        four = self.step(4, None)
+        growth = Growth.between(three_1, four_1, 3, self.names.to_four, onto_big=True).onto(four.costs, 3, self.stack)
+        again = extend_timeline(four, growth, 4, 4, self.names.four_to_four)
+        if again.events != four.events or again.costs != four.costs:
+            raise NotRepeating("the 4-block step's blocks 1 and 2 differ")
+        full = extend_timeline(four, growth, 4, self.stack.depth, self.names.four_to_full)
+        baseline, storages = extend_baseline(three_1, four_1, 3, self.stack.depth, onto=four)
         return replace(full, baseline=baseline, baseline_storages=storages, checks=four.checks, corrected=four.corrected)
 
 
 @dataclass(frozen=True)
 class ShallowCaptures:
     """A model's capture from its copies cut to 3 and 4 blocks (Note [Saved tensors from three
-    blocks]): ``capture(depth, batch, seq)`` runs the capture pass on one of them."""
+    blocks]): ``capture(depth, batch, seq)`` runs the capture pass on one of them, each once;
+    ``seq`` is the length the B=1 pass runs at."""
 
-    stack: BlockStack
-    to_four: Names
-    to_full: Names
+    names: ShallowNames
     capture: Callable[[int, int | None, int | None], Capture]
+    seq: int | None = None
+    made: dict[tuple[int, int | None, int | None], Capture | Exception] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def stack(self) -> BlockStack:
+        return self.names.stack
+
+    def captured(self, depth: int, batch: int | None, seq: int | None) -> Capture:
+        """The capture of ``depth`` blocks at (``batch``, ``seq``), run once (a failure raised again)."""
+        return _once(self.made, (depth, batch, seq), lambda: self.capture(depth, batch, seq))
 
     def at(self, batch: int | None, seq: int | None) -> Capture:
-        """The full model's capture; NotRepeating where the 3-block one extended is not the 4-block one."""
-        three, four = self.capture(3, batch, seq), self.capture(4, batch, seq)
-        if extend_capture(three, 3, 4, self.to_four) != four:
+        """The full model's capture; NotRepeating where the 3-block one extended is not the 4-block
+        one. The symbolic one from the 4-block capture (Note [The symbolic step from four blocks])."""
+        if batch is None:
+            with contextlib.suppress(*_NO_BATCH_ONE):
+                self._checked(1, self.seq)
+                four = self.captured(4, None, seq)
+                if extend_capture(four, 4, 4, self.names.four_to_four) != four:
+                    raise NotRepeating("the 4-block capture's blocks 1 and 2 differ")
+                return extend_capture(four, 4, self.stack.depth, self.names.four_to_full)
+        return extend_capture(self._checked(batch, seq), 3, self.stack.depth, self.names.to_full)
+
+    def _checked(self, batch: int | None, seq: int | None) -> Capture:
+        """The 3-block capture; NotRepeating unless it extends to the 4-block one."""
+        three, four = self.captured(3, batch, seq), self.captured(4, batch, seq)
+        if extend_capture(three, 3, 4, self.names.to_four) != four:
             raise NotRepeating("extending the 3-block capture to 4 blocks does not give the 4-block capture")
-        return extend_capture(three, 3, self.stack.depth, self.to_full)
+        return three
+
+
+_T = TypeVar("_T")
+
+
+def _once(made: dict[Any, Any], key: object, make: Callable[[], _T]) -> _T:
+    """``make()``, kept under ``key``: a pass that failed raises its error again rather than run again."""
+    if key not in made:
+        try:
+            made[key] = make()
+        except _NO_BATCH_ONE as e:
+            made[key] = e
+    found = made[key]
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 def _first_difference(guess: Timeline, real: Timeline) -> str:
@@ -431,12 +639,16 @@ def _phase_pieces(tags: Sequence[int | None], start: int, end: int, depth: int, 
     return pieces, sweeps
 
 
-def _copy_events(events: Sequence[MemoryEvent], plan: Plan, depth: int, to_depth: int, names: Names) -> tuple[MemoryEvent, ...]:
+def _copy_events(
+    events: Sequence[MemoryEvent], plan: Plan, pieces: Sequence[_Piece], depth: int, to_depth: int, names: Names
+) -> tuple[MemoryEvent, ...]:
     """The extended events, each release pointing at the copy of the allocation it releases: in the
     copy of that allocation's piece made for the block the release names, the allocation of the
-    same op, node and size (and the same count of such before it)."""
+    same op, node and size (and the same count of such before it). ``pieces`` are all the shallow
+    step's: a release may free what a block the plan does not copy allocated (from 4 blocks, block
+    2's), whose copy is then its counterpart's in the block copied in its place."""
     alloc_at = {e.storage: k for k, e in enumerate(events) if e.alloc}
-    piece_of = {c.event: c.piece for c in plan}
+    piece_of = {k: p for p in pieces for k in range(p.start, p.end)}
     keys = _allocation_keys(events, piece_of, names)
     edge = _edges(depth, to_depth)
     copies: dict[tuple[object, ...], int] = {}
