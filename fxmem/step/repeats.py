@@ -387,7 +387,7 @@ def extend_baseline(
 #     B=1 pair cannot be had (a model that cannot train on one sample).
 
 _NO_BATCH_ONE = (NotRepeating, FxmemError, SymbolicUnsupported, BatchSpecialized)
-"""Why the symbolic result may not be made from four blocks: the B=1 pair fails or does not extend."""
+"""Why the B=1 pair may be missing: a pass fails, or the 3-block one does not extend to the 4-block one."""
 
 
 @dataclass(frozen=True)
@@ -411,9 +411,11 @@ class ShallowSteps:
         """The full model's first-step timeline at ``batch``; NotRepeating where the 3-block step
         extended to 4 blocks is not the 4-block step, event for event and op for op. The symbolic
         one from the 4-block step (Note [The symbolic step from four blocks])."""
-        if batch is None:
-            with contextlib.suppress(*_NO_BATCH_ONE):
-                return self._from_four()
+        pair = batch is None and _succeeds(lambda: self._checked(self.step(3, 1), self.step(4, 1)))
+        if pair:
+            four = self.step(4, None)  # its own failure is the symbolic step's
+            with contextlib.suppress(NotRepeating):
+                return self._from_four(four)
         three, four = self.step(3, batch), self.step(4, batch)
         growth = self._checked(three, four)
         full = extend_timeline(three, growth, 3, self.stack.depth, self.names.to_full)
@@ -429,10 +431,8 @@ class ShallowSteps:
             raise NotRepeating(_first_difference(guess, four))
         return growth
 
-    def _from_four(self) -> Timeline:
+    def _from_four(self, four: Timeline) -> Timeline:
         three_1, four_1 = self.step(3, 1), self.step(4, 1)
-        self._checked(three_1, four_1)
-        four = self.step(4, None)
         growth = Growth.between(three_1, four_1, 3, self.names.to_four, onto_big=True).onto(four.costs, 3, self.stack)
         again = extend_timeline(four, growth, 4, 4, self.names.four_to_four)
         if again.events != four.events or again.costs != four.costs:
@@ -464,12 +464,9 @@ class ShallowCaptures:
     def at(self, batch: int | None, seq: int | None) -> Capture:
         """The full model's capture; NotRepeating where the 3-block one extended is not the 4-block
         one. The symbolic one from the 4-block capture (Note [The symbolic step from four blocks])."""
-        if batch is None:
-            with contextlib.suppress(*_NO_BATCH_ONE):
-                self._checked(1, self.seq)
-                four = self.captured(4, None, seq)
-                if extend_capture(four, 4, 4, self.names.four_to_four) != four:
-                    raise NotRepeating("the 4-block capture's blocks 1 and 2 differ")
+        if batch is None and _succeeds(lambda: self._checked(1, self.seq)):
+            four = self.captured(4, None, seq)  # its own failure is the symbolic pass's
+            if extend_capture(four, 4, 4, self.names.four_to_four) == four:
                 return extend_capture(four, 4, self.stack.depth, self.names.four_to_full)
         return extend_capture(self._checked(batch, seq), 3, self.stack.depth, self.names.to_full)
 
@@ -482,6 +479,15 @@ class ShallowCaptures:
 
 
 _T = TypeVar("_T")
+
+
+def _succeeds(check: Callable[[], object]) -> bool:
+    """Whether the B=1 pair can be had and extends (Note [The symbolic step from four blocks])."""
+    try:
+        check()
+    except _NO_BATCH_ONE:
+        return False
+    return True
 
 
 def _once(made: dict[Any, Any], key: object, make: Callable[[], _T]) -> _T:
