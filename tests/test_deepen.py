@@ -7,6 +7,7 @@ the graph reads (the same tensors, by name)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -109,6 +110,43 @@ def test_hugging_face_models_are_deepened_under_auto(monkeypatch: pytest.MonkeyP
     traced, shallow = _traced_at(model, specs, stack, monkeypatch)
     assert traced.frontend == "export" and shallow is not None
     _assert_same_graph(traced.gm, trace_model(model, specs).gm)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class _ScaledStack(nn.Module):
+    """Blocks, then a constant made in forward: torch.export lifts it out as an attribute of the
+    exported module (``lifted_tensor_0``), which the model itself does not have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x * torch.tensor([0.5])
+
+
+def test_a_constant_lifted_out_of_the_forward_is_read_from_the_export(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, specs = _meta(_ScaledStack), parse_inputs(["B,8"])
+    stack = find_block_stack(model)
+    assert stack is not None
+    traced, _ = _traced_at(model, specs, stack, monkeypatch, frontend="export")
+    exported = trace_model(model, specs, frontend="export").gm
+    constants = [str(n.target) for n in exported.graph.nodes if n.op == "get_attr" and "lifted" in str(n.target)]
+    assert constants and not hasattr(model, constants[0])
+    assert traced.gm.code == exported.code
+    held = lambda gm, target: functools.reduce(getattr, target.split("."), gm)
+    assert all(torch.equal(held(traced.gm, c), held(exported, c)) for c in constants)  # each export lifts its own copy
+    assert dict(traced.gm.named_buffers()).keys() == dict(exported.named_buffers()).keys()  # held as the export holds it
 
 
 def test_blocks_that_differ_are_not_deepened_and_the_model_is_exported_whole() -> None:

@@ -178,6 +178,14 @@ def test_hugging_face_llama_through_export() -> None:
     assert report.accounting.path == report.steps.path  # export's lifted weights repeat with their blocks
 
 
+def test_an_exported_stack_with_a_lifted_constant() -> None:
+    # torch.export's graph built from the 4-block export (fxmem/frontends/deepen.py), a constant lifted
+    # out of the forward included, gives the report of the whole model exported and simulated.
+    from tests.test_deepen import _ScaledStack
+
+    _assert_fast_equals_whole(_meta(_ScaledStack), ["B,8"], "sum", frontend="export", target="cpu")
+
+
 def test_blocks_that_differ_fall_back_to_the_whole_model() -> None:
     model = _meta(EveryOther)
     fast, whole = _analyze(model, ["B,8"], "sum", False, target="cpu"), _analyze(model, ["B,8"], "sum", True, target="cpu")

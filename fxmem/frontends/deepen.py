@@ -124,12 +124,53 @@ def deepened(model: nn.Module, three: fx.GraphModule, four: fx.GraphModule, stac
     steps = _name_steps(four.graph, stack)
     _check_same(_deepen(three.graph, stack, 3, 4, steps), four.graph)
     graph = _deepen(four.graph, stack, 4, stack.depth, steps)
-    gm = fx.GraphModule(model, graph, type(four).__name__)
+    gm = fx.GraphModule(_attributes(graph, model, four), graph, type(four).__name__)
+    _held_as_in(gm, four, [t for t in map(str, (n.target for n in graph.nodes if n.op == "get_attr")) if not _has_attr(model, t)])
     gm.meta.update(four.meta)
     for spec in ("_in_spec", "_out_spec"):  # the pytree code calling the graph flattens by them
         if hasattr(four, spec):
             setattr(gm, spec, getattr(four, spec))
     return gm
+
+
+def _attributes(graph: fx.Graph, model: nn.Module, four: fx.GraphModule) -> dict[str, Any]:
+    """What each ``get_attr`` of ``graph`` reads: the model's weight or buffer, or a constant export
+    lifted out of the forward, which only the exported module holds (outside the blocks, or the
+    graph would not have deepened: a lifted constant's name counts them)."""
+    found: dict[str, Any] = {}
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            target = str(n.target)
+            owner = model if _has_attr(model, target) else four
+            found[target] = _attr(owner, target)
+    return found
+
+
+def _held_as_in(gm: fx.GraphModule, four: fx.GraphModule, constants: Sequence[str]) -> None:
+    """Each lifted constant held as the exported module holds it: a plain attribute, not a buffer
+    (``GraphModule`` registers any tensor it is handed as a buffer, and buffers count as state)."""
+    for target in constants:
+        path, _, field = target.rpartition(".")
+        mine, theirs = gm.get_submodule(path), four.get_submodule(path)
+        if field in mine._buffers and field not in theirs._buffers:
+            value = mine._buffers.pop(field)
+            mine._non_persistent_buffers_set.discard(field)
+            object.__setattr__(mine, field, value)
+
+
+def _has_attr(module: nn.Module, target: str) -> bool:
+    try:
+        _attr(module, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _name_steps(four: fx.Graph, stack: BlockStack) -> dict[str, int]:
@@ -224,6 +265,8 @@ class _Deepening:
             return new + n.name[len(old) :]
         base, count = _split(n.name)
         moved = count + shift * self.steps.get(base, 0)
+        if moved == count:
+            return n.name  # unmoved, as it was spelled (``lifted_tensor_0`` keeps its suffix)
         return f"{base}_{moved}" if moved else base
 
     def _moved_stack(self, module_stack: Mapping[str, Any], to: int) -> dict[str, Any]:
