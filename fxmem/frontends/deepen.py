@@ -125,7 +125,8 @@ def deepened(model: nn.Module, three: fx.GraphModule, four: fx.GraphModule, stac
     _check_same(_deepen(three.graph, stack, 3, 4, steps), four.graph)
     graph = _deepen(four.graph, stack, 4, stack.depth, steps)
     gm = fx.GraphModule(_attributes(graph, model, four), graph, type(four).__name__)
-    _held_as_in(gm, four, [t for t in map(str, (n.target for n in graph.nodes if n.op == "get_attr")) if not _has_attr(model, t)])
+    read = [str(n.target) for n in graph.nodes if n.op == "get_attr"]
+    _held_as_in(gm, four, [t for t in read if not _has_attr(model, t)])
     gm.meta.update(four.meta)
     for spec in ("_in_spec", "_out_spec"):  # the pytree code calling the graph flattens by them
         if hasattr(four, spec):
@@ -229,8 +230,7 @@ class _Deepening:
     def copy(self, n: fx.Node, layer: int | None, shift: int) -> None:
         to = None if layer is None else layer + shift
         args, kwargs = self._moved(n.args, shift), self._moved(n.kwargs, shift)
-        weight = n.op == "get_attr" and to is not None
-        target = self.stack.with_layer(str(n.target), to) if weight and to is not None else n.target
+        target = self.stack.with_layer(str(n.target), to) if n.op == "get_attr" and to is not None else n.target
         name = self._name(n, to, shift)
         new = self.graph.create_node(n.op, target, args, kwargs, name, n.type)
         if new.name != name:

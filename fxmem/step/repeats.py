@@ -34,7 +34,7 @@ import torch.fx as fx
 from fxmem.engine.capture import BatchSpecialized, SymbolicUnsupported
 from fxmem.errors import FxmemError
 from fxmem.frontends.blocks import BlockStack
-from fxmem.results import Capture, Category, MemoryEvent, NodeInfo, OpCostRecord, Timeline
+from fxmem.results import Capture, Category, MemoryEvent, NodeInfo, OpCostRecord, Phase, Timeline
 from fxmem.symbolic import ByteExpr
 
 __all__ = [
@@ -242,7 +242,8 @@ class Growth:
 
 def _aligned(runs: tuple[_RunGrowth, ...], records: list[OpCostRecord]) -> tuple[_RunGrowth, ...]:
     """``runs`` laid over ``records``: each growing run where the same ops stand, the rest of
-    ``records`` as runs of their own that do not grow."""
+    ``records`` as runs of their own that do not grow. Only the forward, the loss and backward may
+    run other ops at the other batch: the optimizer's, where the ops that grow run, must be the same."""
     key = lambda r: (r.phase, r.op, r.node, r.fqn)
     theirs = [key(run.base) for run in runs for _ in range(run.length)]
     starts = list(itertools.accumulate((run.length for run in runs), initial=0))
@@ -250,6 +251,9 @@ def _aligned(runs: tuple[_RunGrowth, ...], records: list[OpCostRecord]) -> tuple
     for tag, i1, i2, j1, _ in difflib.SequenceMatcher(None, [key(r) for r in records], theirs, autojunk=False).get_opcodes():
         if tag == "equal":
             moved.update({j1 + k: i1 + k for k in range(i2 - i1)})
+    unmatched = set(range(len(records))) - set(moved.values())
+    if any(records[k].phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD) for k in unmatched):
+        raise NotRepeating("the optimizer's ops differ between the batches")  # where what grows with the blocks runs
     placed: dict[int, _RunGrowth] = {}
     for run, start in zip(runs, starts):
         if not run.grows:
