@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DtypeMismatch", "LayoutRule", "OpRule", "OpRuleMode", "check_operand_dtypes"]
+__all__ = ["QUERIES", "DtypeMismatch", "LayoutRule", "OpRule", "OpRuleMode", "check_operand_dtypes"]
 
 OpRule = Callable[[Sequence[Any], Mapping[str, Any], Any], Mapping[int, object]]
 """An op rule gets an aten op's (args, kwargs, output) and returns {output index: true nbytes}
@@ -269,6 +269,12 @@ def _eager_decomposes(func: Any) -> bool:
     )
 
 
+QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+"""Queries of a tensor's device or layout: no tensor out, no kernel, no rule. The optimizers'
+``_group_tensors_by_device_and_dtype`` asks each tensor's device: 61% of the ops a gpt-7b step
+dispatches (5,052 of 8,274), which the modes pass through untouched."""
+
+
 class OpRuleMode(TorchDispatchMode):
     """Applies op rules: records the true size of storages whose fake kernels under-report them."""
 
@@ -282,6 +288,8 @@ class OpRuleMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in QUERIES:
+            return func(*args, **kwargs)
         check_operand_dtypes(func, args, kwargs)
         if func in _SYMBOLIC_REWRITES:
             rewritten = _SYMBOLIC_REWRITES[func](*args, **kwargs)

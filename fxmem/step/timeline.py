@@ -84,7 +84,7 @@ from fxmem.engine.capture import (
     node_fqn,
     quiet_fake_tensor_log,
 )
-from fxmem.engine.dispatch import LayoutRule, OpRule, OpRuleMode
+from fxmem.engine.dispatch import QUERIES, LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.flops import OpCost, is_view_like, op_cost
 from fxmem.engine.losses import Loss
 from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes, Scope
@@ -310,6 +310,8 @@ class _Tracker(TorchDispatchMode):
         node, fqn = self._attribution(args)
         self.poll(fqn)
         out = func(*args, **kwargs)
+        if func in QUERIES:  # nothing to record
+            return out
         if func in _RANGE_OPS:
             self._track_range(func, args)
             return out
@@ -479,6 +481,7 @@ class _Tracker(TorchDispatchMode):
 
 _RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+
 _RANGE_OPS = frozenset({_RANGE_ENTER, torch.ops.profiler._record_function_exit._RecordFunction})
 _ENGINE_RANGES = ("FSDP::",)
 """The ``record_function`` names whose allocations are the sharding engine's."""
