@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -204,7 +204,7 @@ def _pipelined(
         raise InputSpecError(
             f"model '{name}': --pp {pp} simulates each rank's step alone; with --fsdp, --tp, --sp or --no-peak (peak=False) it is not modelled yet."
         )
-    plan = pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name, virtual)
+    plan = pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
     whole = one_gpu()
     say = progress or _silent
     graphs = split_stages(whole.graph, plan, name)
@@ -539,7 +539,7 @@ def _pipeline_options(microbatches: int, schedule: str, splits: Iterable[int] | 
     return given + ([f"--stages-per-rank {virtual}"] if virtual is not None else [])
 
 
-def _warn_unused(setup: TrainingSetup, specs: tuple[InputSpec, ...], seq_len: int | None, pipeline: list[str] = []) -> None:
+def _warn_unused(setup: TrainingSetup, specs: tuple[InputSpec, ...], seq_len: int | None, pipeline: Sequence[str] = ()) -> None:
     """One FxmemWarning for each option given that changes nothing here (shown once by the CLI)."""
     unused = list(setup.unused())
     if pipeline:

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +96,7 @@ def measure_ranks(
     schedule: str = "1f1b",
     prepare: Callable[[nn.Module], nn.Module] | None = None,
     stages_per_rank: int | None = None,
-    splits: Sequence[int] | None = None,
+    splits: Iterable[int] | None = None,
 ) -> tuple[RankMeasurement, ...]:
     """Run one real training step of ``model`` on ``fsdp x tp`` CPU processes: sharded by FSDP2 over
     ``fsdp`` data-parallel ranks (``units`` wrapped first, then the root) and by tensor parallel over
@@ -148,14 +148,14 @@ def _pipeline(
     schedule: str,
     name: str,
     virtual: int | None,
-    splits: Sequence[int] | None,
+    splits: Iterable[int] | None,
 ) -> PipelinePlan | None:
     """The pipeline plan of a ``pp > 1`` run (None otherwise), which composes with nothing else yet."""
     if pp == 1:
         return None
     if plan.world_size > 1:
         raise InputSpecError(f"model '{name}': --pp {pp} with --fsdp or --tp is not modelled yet; measure one parallelism at a time.")
-    return pipeline_plan(model, pp, microbatches, schedule, None if splits is None else list(splits), name, virtual)
+    return pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
 
 
 def _launch(folder: Path, ranks: int, timeout: float, name: str) -> None:

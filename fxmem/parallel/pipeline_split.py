@@ -114,7 +114,7 @@ def pipeline_plan(
     stages: int,
     microbatches: int,
     schedule: str,
-    splits: Sequence[int] | None = None,
+    splits: Iterable[int] | None = None,
     name: str = "model",
     stages_per_rank: int | None = None,
 ) -> PipelinePlan:
@@ -152,7 +152,8 @@ def pipeline_plan(
             f"model '{name}' ({type(model).__name__}) has no repeated blocks for pipeline stages to split (a ModuleList or "
             "Sequential of alike modules, Note [Repeated blocks]); --pp needs them."
         )
-    return PipelinePlan(stages, microbatches, kind, stack.path, _bounds(stack, stages, virtual, splits, name), virtual)
+    bounds = _bounds(stack, stages, virtual, None if splits is None else list(splits), name)
+    return PipelinePlan(stages, microbatches, kind, stack.path, bounds, virtual)
 
 
 INTERLEAVED_STAGES_PER_RANK = 2
