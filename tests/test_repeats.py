@@ -178,6 +178,17 @@ def test_hugging_face_llama_through_export() -> None:
     assert report.accounting.path == report.steps.path  # export's lifted weights repeat with their blocks
 
 
+def test_hugging_face_llama_as_one_rank_of_fsdp2() -> None:
+    # fully_shard's units found in the graph built from the 4-block export (fxmem/frontends/deepen.py), as in a whole export.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = _meta(lambda: transformers.LlamaForCausalLM(config))
+    report = _assert_fast_equals_whole(model, {"input_ids": "B,16:int64"}, "lm_cross_entropy", target="cuda", fsdp=2)
+    assert "one rank of FSDP2 over 2 (fully_shard on 6 units and the root)" in report.steps.path
+
+
 def test_an_exported_stack_with_a_lifted_constant() -> None:
     # torch.export's graph built from the 4-block export (fxmem/frontends/deepen.py), a constant lifted
     # out of the forward included, gives the report of the whole model exported and simulated.
