@@ -143,6 +143,8 @@ def _attributes(graph: fx.Graph, model: nn.Module, four: fx.GraphModule) -> dict
         if n.op == "get_attr":
             target = str(n.target)
             owner = model if _has_attr(model, target) else four
+            if not _has_attr(owner, target):
+                raise NotDeepened(f"neither the model nor its 4-block export holds {target}")
             found[target] = _attr(owner, target)
     return found
 
@@ -249,6 +251,8 @@ class _Deepening:
                 return a
             read = self.blocks.block[a]
             if read is None:
+                if a not in self.outside:
+                    raise NotDeepened(f"a copy reads {a.name}, outside the blocks, before it is made")
                 return self.outside[a]
             key = (read + shift, self.blocks.place[a])
             if key not in self.made:
