@@ -19,12 +19,18 @@ Note [Ranks of one real step]
     than the step's or inside a ``c10d::`` / ``gloo:`` op, and its free (the profiler gives both one
     ``allocation_id``); ``with_backend`` keeps them. What is left is the simulated rank's to the byte
     on most runs (the GPT and Llama test configs, both ranks, first and steady step; a rank with
-    fewer rows of a parameter holds that many fewer bytes of optimizer state). On some runs one rank
-    peaked higher by one unit's gathered weights (50,816 B, a GPT test block's; or 15,360 B, its
-    root's), alive at that rank's highest point and freed later than on the other rank: when FSDP2
-    frees a unit's buffers follows the completion of gloo's asynchronous collectives, which a fake
-    group completes at once. A prediction of one rank is compared with the lowest rank, and the
-    highest may exceed it by at most one unit's gathered weights.
+    fewer rows of a parameter holds that many fewer bytes of optimizer state). On some runs a rank
+    peaks higher by one unit's gathered weights (50,816 B, a GPT test block's; 15,360 B,
+    its root's), and on a loaded machine by nearly two (399,360 B against a checkpointed GPT block's
+    199,936 B, in one CI run). The cause is gloo's worker loop (``ProcessGroupGloo::runLoop``):
+    a worker keeps the work it ran, and so its input and output tensors (an all-gather's gathered
+    buffer, a reduce-scatter's unsharded gradients, both allocated by FSDP2 on the step's thread),
+    in ``workInProgress_`` from the moment it marks the work complete until it takes the queue's
+    lock again. When the step thread drops its own reference first, the free happens on the worker,
+    later; a fake group completes at once and frees nothing late. gloo runs two workers by default
+    (``options->threads = devices.size() * 2``, one device), so at most two works are held so:
+    a prediction of one rank is compared with the lowest rank, and the highest may exceed it by at
+    most two units' gathered weights.
 """
 
 from __future__ import annotations

@@ -138,15 +138,22 @@ def check_ranks(ranks: tuple[RankMeasurement, ...], report: Report, batch: int, 
     assert highest <= predicted + held + spread, (predicted, held, [m.peak for m in ranks])
 
 
+GLOO_WORKERS = 2
+"""gloo's worker threads in a default process group (``options->threads = devices.size() * 2``,
+one device): the most collectives whose tensors a rank may free late (Note [Ranks of one real step])."""
+
+
 def assert_rank_peaks(peaks: Sequence[int], predicted: int, unit: int) -> None:
     """Real FSDP2 ranks against the simulated rank's peak ``predicted``: none below it by more than 1%,
-    none above it by more than ``unit`` (one unit's gathered weights) and 1%. A rank is the simulated
-    one to the byte on most runs; on some, one rank or both hold a unit's gathered weights later,
-    when gloo's asynchronous collectives complete (Note [Ranks of one real step] in
-    fxmem/measure_ranks.py: 15,360 B, the GPT test config's root, and 50,560 B on the other rank in
-    one CI run here; 37,120 B, a Llama test layer, on both ranks in two)."""
+    none above it by more than ``GLOO_WORKERS`` units (``unit``: one unit's gathered weights, the
+    largest tensor an FSDP2 collective holds) and 1%. A rank is the simulated one to the byte on most
+    runs; on some, a rank frees a collective's tensors late, when the gloo worker that ran it lets go
+    of it (Note [Ranks of one real step] in fxmem/measure_ranks.py: 15,360 B, the GPT test config's
+    root, and 50,560 B on the other rank in one CI run here; 37,120 B, a Llama test layer, on both
+    ranks in two; 399,360 B, nearly two checkpointed GPT blocks of 199,936 B, on one rank in a CI run on a loaded machine)."""
     slack = 0.01 * predicted
-    assert all(predicted - slack <= p <= predicted + unit + slack for p in peaks), (predicted, unit, list(peaks))
+    high = predicted + GLOO_WORKERS * unit + slack
+    assert all(predicted - slack <= p <= high for p in peaks), (predicted, unit, list(peaks))
 
 
 def cpu_computes_bf16() -> bool:

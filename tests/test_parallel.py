@@ -74,7 +74,7 @@ def test_fsdp_shards_state_and_keeps_activations(simulated: fxmem.Report) -> Non
 def test_fsdp_rank_matches_real_ranks(simulated: fxmem.Report, first_step: bool) -> None:
     """The same step on two real processes: each rank's saved activations and starting state are the
     simulated rank's to the byte, and its peak within ``assert_rank_peaks``'s bound (Note [Ranks of one
-    real step] in fxmem/measure_ranks.py: on some runs a rank frees one unit's gathered weights later)."""
+    real step] in fxmem/measure_ranks.py: on some runs a rank frees a unit's gathered weights later)."""
     model, inputs = _gpt()
     ranks = measure_ranks(model, inputs, BATCH, fsdp=2, units=simulated.fsdp_units, first_step=first_step)
     predicted = simulated.peak(BATCH, first_step=first_step)
