@@ -43,6 +43,7 @@ BY_DEPTH = "--by-depth"
 IN_PROCESS = "--in-process"
 LLAMA = "llama-3.1-8b"
 """The Llama-3.1-8B config (benchmarks/configs), analyzed at 4096 tokens and B=1 as its CLI line is."""
+LLAMA_TOKENS = 4096
 IN_PROCESS_TARGET_S = 4.0
 """Issue 19's in-process target for the 70B-class GPT's and Llama-3.1-8B's default analyze."""
 DEPTHS = (8, 32, 80)
@@ -56,10 +57,10 @@ def _build(name: str):  # type: ignore[no-untyped-def]
 
     from models_zoo.gpt2_small import GPT
 
-    if name == LLAMA:  # built by the hf: loader on the meta device, as the CLI builds it
+    if name == LLAMA:  # built by the hf: loader on the meta device, as the CLI builds it (--seq-len sets the inputs' length)
         from fxmem.frontends.load import load_model
 
-        spec = load_model(f"hf:{Path(__file__).parent / 'configs' / 'llama-3.1-8b.json'}")
+        spec = load_model(f"hf:{Path(__file__).parent / 'configs' / 'llama-3.1-8b.json'}", seq_len=LLAMA_TOKENS)
         return spec.model, spec.inputs
 
     if name.startswith("depth-"):  # gpt-7b's width at another depth
@@ -119,8 +120,8 @@ def _default_analyze(model: Any, inputs: list[str], name: str) -> dict[str, Any]
 
     marks: list[tuple[str, float]] = [(BEFORE_FIRST, time.perf_counter())]
     say = lambda message: marks.append((message, time.perf_counter()))
-    if name == LLAMA:  # as `fxmem analyze hf:<config> --seq-len 4096 --batch 1` runs it
-        setting = {"loss": "auto", "batch": 1, "seq_len": 4096, "name": f"hf:{name}"}
+    if name == LLAMA:  # as `fxmem analyze hf:<config> --seq-len 4096 --batch 1` runs it: the inputs are B,4096 already
+        setting = {"loss": "auto", "batch": 1, "name": f"hf:{name}"}
     else:
         setting = {"loss": "lm_cross_entropy", "batch": BATCH, "name": f"zoo:{name}"}
     report = fxmem.analyze(model, inputs, peak=True, target="cuda", progress=say, **setting)
