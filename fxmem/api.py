@@ -128,7 +128,9 @@ def analyze(
     step by running torch's own schedule (``schedule``: "gpipe", "1f1b" or "interleaved") over
     ``microbatches`` microbatches of ``batch`` samples on a
     fake process group (Note [Pipeline stages] in fxmem/parallel/pipeline_split.py): ``report.pipeline``
-    holds each rank, and ``report.peak`` is the highest rank's.
+    holds each rank, and ``report.peak`` is the highest rank's. With ``fsdp`` too, each stage is
+    sharded by FSDP2 over that many ranks (``fsdp_units`` inside it, then the stage's module: Note
+    [Data parallel inside pipeline stages] in fxmem/parallel/rank.py) and each rank is its stage's first.
     """
     name = name or type(model).__name__
     if pp != 1:
@@ -140,7 +142,7 @@ def analyze(
         )  # fmt: skip
         return _pipelined(
             model, one_gpu, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, virtual=stages_per_rank, name=name,
-            fsdp=fsdp, tp=tp, sp=sp, peak=peak, optimizer=optimizer, param_dtype=param_dtype, progress=progress,
+            fsdp=fsdp, fsdp_units=fsdp_units, tp=tp, sp=sp, peak=peak, optimizer=optimizer, param_dtype=param_dtype, progress=progress,
         )  # fmt: skip
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
@@ -190,6 +192,7 @@ def _pipelined(
     virtual: int | None,
     name: str,
     fsdp: int,
+    fsdp_units: Iterable[str] | None,
     tp: int,
     sp: bool,
     peak: bool,
@@ -199,21 +202,32 @@ def _pipelined(
 ) -> Report:
     """``analyze`` with ``pp`` pipeline stages: the whole model's saved bytes per node (a pipeline
     moves no node's; ``one_gpu`` analyzes it without a step), and every rank's step simulated
-    (fxmem/step/pipeline.py) on stages split from the graph ``one_gpu`` traced."""
-    if fsdp != 1 or tp != 1 or sp or not peak:
+    (fxmem/step/pipeline.py) on stages split from the graph ``one_gpu`` traced; with ``fsdp``, each
+    stage sharded by FSDP2 over that many ranks (Note [Data parallel inside pipeline stages] in
+    fxmem/parallel/rank.py)."""
+    if tp != 1 or sp or not peak:
         raise InputSpecError(
-            f"model '{name}': --pp {pp} simulates each rank's step alone; with --fsdp, --tp, --sp or --no-peak (peak=False) it is not modelled yet."
+            f"model '{name}': --pp {pp} simulates each rank's step alone or with --fsdp; with --tp, --sp or --no-peak (peak=False) "
+            "it is not modelled yet."
         )
     plan = pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
     whole = one_gpu()
     say = progress or _silent
     graphs = split_stages(whole.graph, plan, name)
-    ranks = tuple(_pipeline_rank(graphs, r, plan, whole, whole.setup, optimizer, param_dtype, say) for r in range(pp))
+    setup, within = whole.setup, None
+    if fsdp != 1:
+        world_size, shard = _fsdp_setup(fsdp, setup.world_size, setup.shard)
+        setup = replace(setup, world_size=world_size, shard=shard)
+        within = _parallel_plan(model, setup, fsdp_units, None, peak, name)
+    elif fsdp_units is not None:
+        raise InputSpecError("fsdp_units names FSDP2's units, which only --fsdp N (N > 1) uses; pass fsdp=N too.")
+    ranks = tuple(_pipeline_rank(graphs, r, plan, whole, setup, optimizer, param_dtype, say, within) for r in range(pp))
     highest = max(ranks, key=lambda r: r.steps.device_bytes(whole.batch))
-    highest.steps.path = f"rank {highest.rank} of {plan.describe()}, the highest at B={whole.batch}"
+    highest.steps.path = f"rank {highest.rank} of {PipelineRun(plan, ranks, None, within).describe()}, the highest at B={whole.batch}"
     state = whole.state
     held = OneGpu(state.weights + state.buffers + state.master + state.optimizer, whole.activation_bytes)
-    return replace(whole, steps=highest.steps, pipeline=PipelineRun(plan, ranks, held))
+    units = within.units if within is not None else ()
+    return replace(whole, steps=highest.steps, pipeline=PipelineRun(plan, ranks, held, within), fsdp_units=units)
 
 
 def _pipeline_rank(
@@ -225,6 +239,7 @@ def _pipeline_rank(
     optimizer: str,
     param_dtype: torch.dtype | None,
     say: Callable[[str], None],
+    within: ParallelPlan | None = None,
 ) -> PipelineRank:
     """One rank's simulated steps: symbolic in B (its saved bytes per node from it), B=1, others on
     demand; on a cuda target each replayed through the caching allocator on top of the fixed costs,
@@ -242,7 +257,7 @@ def _pipeline_rank(
         say(f"simulating pipeline rank {rank} at " + ("B symbolic" if b is None else f"B={b}"))
         step = simulate_stage(
             graphs, rank, plan, whole.inputs, loss=loss, optimizer=opt, batch=b, target=target, model=whole.model,
-            seq=whole.seq_len if b else None,
+            seq=whole.seq_len if b else None, parallel=within,
         )  # fmt: skip
         marks[b] = step.marks
         return step

@@ -9,6 +9,13 @@ fxmem/step/pipeline.py). Its saved bytes are
 those autograd saves in one microbatch's forward through the stage (and, on the last stage, its
 loss), each storage once, leaving out that baseline: what the simulation calls the rank's saved
 bytes per microbatch.
+
+With FSDP2 inside the stages (``measure_ranks(pp=P, fsdp=N)``), each stage's module is sharded as the
+simulation shards it (``shard_stage``, Note [Data parallel inside pipeline stages] in
+fxmem/parallel/rank.py) on P x N processes, and its graph, whose blocks are flattened, runs through an
+interpreter that calls the units' hooks where their code begins and ends (``ModuleScopes``, the
+mechanism the one-rank FSDP2 tests hold to eager modules). The weights FSDP2 gathers are left out of
+the saved bytes, as ``measure_ranks`` leaves them out of a sharded rank's.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxmem.engine.binding import bind_inputs, storage_of
 from fxmem.engine.losses import get_loss
+from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes
 from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import make_input
 from fxmem.measure import _optimizer
+from fxmem.parallel import ParallelPlan, pipeline_meshes, shard_stage
+from fxmem.parallel.fsdp import gathered_weights
 from fxmem.results import Phase
 from fxmem.step.pipeline import (
     PipelinePlan,
@@ -44,17 +54,29 @@ __all__ = ["PipelineRankStep"]
 Around = Callable[[Phase], contextlib.AbstractContextManager[object]]
 
 
+class _Hooked(ModuleHooks, fx.Interpreter):
+    """The stage's graph, its FSDP2 units' hooks called where their code begins and ends."""
+
+    def __init__(self, gm: fx.GraphModule, scopes: ModuleScopes) -> None:
+        super().__init__(gm)
+        self.scopes = scopes
+
+
 class _Ranged(nn.Module):
-    """The stage's graph module, each forward inside the profiler's forward range."""
+    """The stage's graph module, each forward inside the profiler's forward range; through
+    ``_Hooked`` where the stage is sharded (``scopes``)."""
 
     def __init__(self, gm: fx.GraphModule, around: list[Around]) -> None:
         super().__init__()
         self.gm = gm
         self._around = around
+        self.scopes: ModuleScopes | None = None
 
     def forward(self, *args: Any) -> Any:
         with self._around[0](Phase.FORWARD):
-            return self.gm(*args)
+            if self.scopes is None:
+                return self.gm(*args)
+            return _Hooked(self.gm, self.scopes).run(*args)
 
 
 class PipelineRankStep:
@@ -62,6 +84,8 @@ class PipelineRankStep:
 
     def __init__(self, config: dict[str, Any], rank: int) -> None:
         plan: PipelinePlan = config["pipeline"]
+        sharding: ParallelPlan = config["plan"]
+        rank //= sharding.world_size  # the pipeline rank of this process (Note [Data parallel inside pipeline stages])
         self.plan, self.rank, self.name = plan, rank, config["name"]
         model, specs = config["model"].train(), config["specs"]
         graphs = split_stages(trace_model(model, specs, name=self.name).gm, plan, self.name)
@@ -74,10 +98,15 @@ class PipelineRankStep:
         local = plan.local(rank)
         examples = [stage_examples(graphs.stages, s, first) for s in local]
         self.around: list[Around] = [lambda _: contextlib.nullcontext()]
-        self.modules = nn.ModuleList(_Ranged(graphs.stages[s], self.around) for s in local)
+        ranged = [_Ranged(graphs.stages[s], self.around) for s in local]
+        group, meshes = pipeline_meshes(plan.stages, sharding)
+        if sharding.world_size > 1:
+            for module in ranged:
+                module.scopes = ModuleScopes.of(module.gm, shard_stage(module, module.gm, sharding, meshes, self.name), self.name)
+        self.modules = nn.ModuleList(ranged)
         self.last = local[-1] == len(graphs.stages) - 1
         self.target = self._target(graphs, bound, examples[-1][1]) if self.last else None
-        self.schedule = build_schedule(list(self.modules), rank, plan, examples, self._loss)
+        self.schedule = build_schedule(list(self.modules), rank, plan, examples, self._loss, group)
         self.stages = schedule_stages(self.schedule)
         for stage in self.stages:
             self._range_backward(stage)
@@ -126,7 +155,7 @@ class PipelineRankStep:
     def saved_bytes(self, batch: int) -> int:
         """Bytes autograd saves in one microbatch's forward through each of the rank's stages (and the
         loss, on the last), each storage once, the baseline left out."""
-        held = {StorageWeakRef(storage_of(t)) for t in self.held()}
+        held = {StorageWeakRef(storage_of(t)) for t in [*self.held(), *gathered_weights(self.modules)]}
         saved: dict[StorageWeakRef, torch.UntypedStorage] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:

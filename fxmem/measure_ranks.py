@@ -59,6 +59,7 @@ from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
 from fxmem.parallel import ParallelPlan, apply_plan, plan_mesh, tp_layers
+from fxmem.parallel.fsdp import gathered_weights
 from fxmem.results import Phase
 from fxmem.step.pipeline import PipelinePlan, pipeline_plan
 from fxmem.step.state import get_optimizer
@@ -109,9 +110,10 @@ def measure_ranks(
     ``tp`` (``tp_plan``, default the model's own), composed as the simulation composes them
     (``apply_plan`` in fxmem/parallel); ``batch`` samples on each data-parallel rank; each rank's
     measurement. ``mixed``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``.
-    ``pp`` (P > 1, alone): pipeline parallel over P processes instead, ``microbatches`` microbatches of
-    ``batch`` samples each in the order ``schedule`` gives (fxmem/measure_pipeline.py), with
-    ``stages_per_rank`` and ``splits`` as ``analyze`` takes them. ``prepare``
+    ``pp`` (P > 1): pipeline parallel over P stages instead, ``microbatches`` microbatches of ``batch``
+    samples each in the order ``schedule`` gives (fxmem/measure_pipeline.py), with ``stages_per_rank``
+    and ``splits`` as ``analyze`` takes them; with ``fsdp``, each stage sharded over ``fsdp`` ranks
+    (P x N processes, Note [Data parallel inside pipeline stages] in fxmem/parallel/rank.py). ``prepare``
     (picklable: a module-level function or a ``functools.partial`` of one) is applied to each rank's
     model before it is sharded, as a user applies activation checkpointing before ``fully_shard``."""
     check_batch(batch)
@@ -121,7 +123,7 @@ def measure_ranks(
     layers = tp_layers(model, tp, tp_plan, name) if isinstance(tp, int) and tp > 1 else ()
     plan = ParallelPlan(fsdp, tuple(units) if fsdp > 1 else (), mixed=mixed, tp=tp, tp_layers=layers)
     pipeline = _pipeline(model, plan, pp, microbatches, schedule, name, stages_per_rank, splits)
-    world = pipeline.stages if pipeline is not None else plan.world_size
+    world = plan.world_size * (pipeline.stages if pipeline is not None else 1)
     if world < 2:
         raise InputSpecError(
             f"measure_ranks needs 2 or more processes (--fsdp N, --tp T, --pp P); got fsdp={fsdp!r}, tp={tp!r}, pp={pp!r}."
@@ -159,8 +161,8 @@ def _pipeline(
     """The pipeline plan of a ``pp > 1`` run (None otherwise), which composes with nothing else yet."""
     if pp == 1:
         return None
-    if plan.world_size > 1:
-        raise InputSpecError(f"model '{name}': --pp {pp} with --fsdp or --tp is not modelled yet; measure one parallelism at a time.")
+    if plan.tp > 1:
+        raise InputSpecError(f"model '{name}': --pp {pp} with --tp is not modelled yet; measure pipeline stages alone or with --fsdp.")
     return pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
 
 
@@ -315,23 +317,10 @@ def _saved_bytes(model: nn.Module, args: list[Any], kwargs: dict[str, Any], loss
         value = loss.compute(loss.select(out, name), target)
     for t in (t for cache in caches for t in cache.new()):  # what a selective checkpoint's policy kept for backward
         pack(t)
-    excluded = set(_storages(held)) | set(_storages(_gathered(model)))
+    excluded = set(_storages(held)) | set(_storages(gathered_weights(model)))
     total = sum(s.nbytes() for key, s in saved.items() if key not in excluded)
     value.backward()
     return total
-
-
-def _gathered(model: nn.Module) -> list[torch.Tensor]:
-    """The full-size parameters FSDP2 gathers into, for every unit of ``model``, whether or not they
-    are registered on the module now (``gathered_parameters`` in fxmem/parallel names them by the
-    registered shards, which a unit still gathered after forward has swapped out)."""
-    found = []
-    for module in model.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        if state is not None:
-            for group in state()._fsdp_param_groups:
-                found += [p._unsharded_param for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
-    return found
 
 
 def _main(folder: Path) -> None:

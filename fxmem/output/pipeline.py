@@ -15,7 +15,7 @@ __all__ = ["render_pipeline"]
 def render_pipeline(run: PipelineRun, batch: int, seq: int | None = None) -> str:
     """The report's lines per rank: what its stage runs, holds and peaks at, and against one GPU."""
     plan = run.plan
-    lines = [f"Pipeline: {plan.describe()}, B={batch} per microbatch (a step takes {plan.microbatches * batch} samples)"]
+    lines = [f"Pipeline: {run.describe()}, B={batch} per microbatch (a step takes {plan.microbatches * batch} samples)"]
     for r in run.ranks:
         steady, first = r.peak(batch), r.peak(batch, first_step=True)
         lines.append(
@@ -42,4 +42,5 @@ def _against_one_gpu(change: RankChange, one: OneGpu, batch: int, virtual: int, 
     return (
         f"against one GPU: state {size(change.state)} of {size(one.state)}; activations at the peak {size(change.activations)}, {count} "
         f"(one GPU saves {size(one.saved(batch))} for one microbatch); receive buffers {size(change.receive_buffers)}"
+        + (f"; FSDP2's buffers {size(change.sharding)}" if change.sharding else "")
     )

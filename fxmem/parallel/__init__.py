@@ -19,10 +19,10 @@ from fxmem.parallel.fake_group import fake_world
 from fxmem.parallel.fsdp import gathered_parameters
 from fxmem.parallel.pipeline_report import PipelineRank, PipelineRun
 from fxmem.parallel.pipeline_split import PipelinePlan, pipeline_plan, split_stages
-from fxmem.parallel.rank import ParallelPlan, apply_plan, one_rank, plan_mesh, shard_graph
+from fxmem.parallel.rank import ParallelPlan, apply_plan, one_rank, pipeline_meshes, plan_mesh, shard_graph, shard_stage
 from fxmem.parallel.tensor import TpLayer, default_tp_plan, resolve_tp_plan, tp_layers
 
 __all__ = [
-    "ParallelPlan", "PipelinePlan", "PipelineRank", "PipelineRun", "TpLayer", "apply_plan", "default_tp_plan", "fake_world", "gathered_parameters", "one_rank", "pipeline_plan", "plan_mesh", "resolve_tp_plan",
-    "shard_graph", "split_stages", "tp_layers",
+    "ParallelPlan", "PipelinePlan", "PipelineRank", "PipelineRun", "TpLayer", "apply_plan", "default_tp_plan", "fake_world", "gathered_parameters", "one_rank", "pipeline_meshes", "pipeline_plan", "plan_mesh",
+    "resolve_tp_plan", "shard_graph", "shard_stage", "split_stages", "tp_layers",
 ]  # fmt: skip

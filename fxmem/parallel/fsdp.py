@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fxmem.errors import CaptureError, InputSpecError
 
-__all__ = ["fsdp_policy", "gathered_parameters", "shard_units"]
+__all__ = ["fsdp_policy", "gathered_parameters", "gathered_weights", "shard_units"]
 
 
 def fsdp_policy(mixed: bool) -> MixedPrecisionPolicy:
@@ -46,7 +45,7 @@ def _shard(module: nn.Module, path: str, mesh: DeviceMesh, reshard: bool, policy
         ) from e
 
 
-def gathered_parameters(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+def gathered_parameters(gm: nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: the full-size parameter FSDP2 gathers it into}, for the parameters gathered
     so far: the forward uses those, so autograd accumulates their gradients before they are sharded."""
     names = {id(p): name for name, p in gm.named_parameters()}
@@ -60,4 +59,17 @@ def gathered_parameters(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
                 gathered = getattr(param, "_unsharded_param", None)
                 if gathered is not None and id(param.sharded_param) in names:
                     found[names[id(param.sharded_param)]] = gathered
+    return found
+
+
+def gathered_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The full-size parameters FSDP2 gathers into, for every unit of ``model``, whether or not they
+    are registered on the module now (``gathered_parameters`` names them by the registered shards,
+    which a unit still gathered after forward has swapped out)."""
+    found = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is not None:
+            for group in state()._fsdp_param_groups:
+                found += [p._unsharded_param for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
     return found

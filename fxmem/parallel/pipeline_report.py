@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxmem.parallel.pipeline_split import PipelinePlan
+from fxmem.parallel.rank import ParallelPlan
 from fxmem.results import STATE_CATEGORIES, Category
 from fxmem.symbolic import ByteExpr
 
@@ -73,6 +74,9 @@ class RankChange:
     several stages per rank, each stage's counts: (stage, microbatch) pairs)."""
     receive_buffers: int
     """Bytes of the buffers the rank receives activations and gradients into, alive at the peak."""
+    sharding: int = 0
+    """Bytes of FSDP2's own buffers alive at the peak (gathered weights, reduce-scatter buffers),
+    where the stages are sharded."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,13 @@ class PipelineRun:
     plan: PipelinePlan
     ranks: tuple[PipelineRank, ...]
     one_gpu: OneGpu | None = None
+    within: ParallelPlan | None = None
+    """How each stage is sharded too (FSDP2), each rank the first of its stage's data-parallel ranks."""
+
+    def describe(self) -> str:
+        """The run in words: the pipeline, and the sharding inside its stages."""
+        inside = f", each stage {self.within.describe()}" if self.within is not None else ""
+        return self.plan.describe() + inside
 
     def change(self, rank: int, batch: int) -> RankChange:
         """What the pipeline changed for ``rank`` at microbatch ``batch`` (steady step)."""
@@ -89,9 +100,6 @@ class PipelineRun:
         peak = r.peak(batch)
         timeline = r.steps.timeline(batch)
         state = sum(v.at(batch) for c, v in timeline.baseline.items() if c in STATE_CATEGORIES)
-        return RankChange(
-            state,
-            peak.breakdown.get(Category.ACTIVATION, 0),
-            r.in_flight(batch),
-            peak.breakdown.get(Category.COMMUNICATION, 0),
-        )
+        receive = timeline.baseline[Category.COMMUNICATION].at(batch) if Category.COMMUNICATION in timeline.baseline else 0
+        communication = peak.breakdown.get(Category.COMMUNICATION, 0)
+        return RankChange(state, peak.breakdown.get(Category.ACTIVATION, 0), r.in_flight(batch), receive, communication - receive)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -25,7 +26,7 @@ from fxmem.parallel.fake_group import fake_world
 from fxmem.parallel.fsdp import fsdp_policy, shard_units
 from fxmem.parallel.tensor import TpLayer, apply_tp
 
-__all__ = ["Meshes", "ParallelPlan", "apply_plan", "one_rank", "plan_mesh", "shard_graph"]
+__all__ = ["Meshes", "ParallelPlan", "apply_plan", "meshes_outside", "one_rank", "pipeline_meshes", "plan_mesh", "shard_graph", "shard_stage"]
 
 Meshes = tuple[DeviceMesh | None, DeviceMesh | None]
 """(the FSDP2 mesh, the tensor-parallel mesh); None where that parallelism is off."""
@@ -103,6 +104,49 @@ def apply_plan(root: nn.Module, plan: ParallelPlan, meshes: Meshes, model: str =
         shard_units(root, plan.units, dp, plan.reshard_after_forward, plan.policy(), model)
 
 
+# Note [Data parallel inside pipeline stages]
+#     torchtitan composes pipeline parallel with FSDP2 and tensor parallel on one device mesh whose
+#     outermost dimension is the pipeline's ("pp", then "dp_shard", then "tp": torchtitan/distributed/
+#     parallel_dims.py), so a stage's data- and tensor-parallel peers are consecutive ranks and pipeline
+#     rank p is global rank p x (fsdp x tp). Each stage's module is parallelized on its own
+#     (``parallelize_module`` on its layers, ``fully_shard`` on its blocks and then on the stage's
+#     module, torchtitan/models/llama3/infra/parallelize.py) and handed to ``PipelineStage`` with the
+#     "pp" dimension's group. The stage's module must be the FSDP2 root: ``PipelineStage`` checks
+#     ``isinstance(submod, FSDPModule)`` to keep gradients unreduced and gathered weights unfreed across
+#     the microbatches' backwards (``backward_maybe_with_nosync``) and to reduce-scatter once after the
+#     last (``perform_reduce_grad``: each group's ``post_backward``), torch/distributed/pipelining/stage.py.
+#     fxmem does the same on the simulated rank and on the real ones; the blocks inside a stage's
+#     graph are flattened, so their hooks fire through ``ModuleScopes`` in both (Note [Module hooks on
+#     a flattened graph] in fxmem/engine/module_hooks.py), which the one-rank FSDP2 tests hold to eager.
+
+
+def pipeline_meshes(stages: int, plan: ParallelPlan | None) -> tuple[dist.ProcessGroup | None, Meshes]:
+    """The pipeline's process group and (the FSDP2 mesh, the tensor-parallel mesh) of this process in a
+    world of ``stages x plan.world_size`` ranks (Note [Data parallel inside pipeline stages]); (None,
+    (None, None)) for a pipeline alone, whose group is the whole world. Made outside any fake mode."""
+    if plan is None or plan.world_size == 1:
+        return None, (None, None)
+    dims = [("pp", stages), ("dp", plan.fsdp), ("tp", plan.tp)]
+    kept = [(d, n) for d, n in dims if n > 1 or d == "pp"]
+    mesh = init_device_mesh("cpu", tuple(n for _, n in kept), mesh_dim_names=tuple(d for d, _ in kept))
+    return mesh["pp"].get_group(), (mesh["dp"] if plan.fsdp > 1 else None, mesh["tp"] if plan.tp > 1 else None)
+
+
+def shard_stage(stage: nn.Module, gm: fx.GraphModule, plan: ParallelPlan, meshes: Meshes, model: str = "model") -> tuple[str, ...]:
+    """Apply ``plan`` to one pipeline stage in place: the units and layers of it that ``gm`` (the
+    stage's graph, a submodule of ``stage``) holds, then ``fully_shard`` on ``stage`` itself, the
+    module ``PipelineStage`` calls (Note [Data parallel inside pipeline stages]). Returns the modules
+    of ``gm`` whose hooks a run of the graph must call where their code begins and ends."""
+    prefix = next(name for name, child in stage.named_children() if child is gm)
+    local = plan.within(gm)
+    inside = lambda path: f"{prefix}.{path}" if path else prefix
+    placed = replace(local, units=tuple(inside(u) for u in local.units), tp_layers=tuple(replace(t, path=inside(t.path)) for t in local.tp_layers))
+    apply_plan(stage, placed, meshes, model)
+    hooked = (*local.units, *_flattened(gm, local.tp_layers))
+    _read_arguments_past_casts(gm, hooked)
+    return hooked
+
+
 # Note [Sharding a copy of the graph]
 #     ``fully_shard`` and ``parallelize_module`` change the modules they are given: their class, their
 #     hooks, their parameters (now DTensors holding one rank's shard). A traced GraphModule shares its
@@ -123,7 +167,7 @@ def shard_graph(gm: fx.GraphModule, plan: ParallelPlan, meshes: Meshes, mode: Fa
             memo.setdefault(id(t), fake_like(t))
     sharded = copy.deepcopy(gm, memo)
     copy_regions(gm, sharded)
-    with mode, _meshes_outside():
+    with mode, meshes_outside():
         apply_plan(sharded, plan, meshes, model)
     return sharded
 
@@ -137,7 +181,7 @@ def shard_graph(gm: fx.GraphModule, plan: ParallelPlan, meshes: Meshes, mode: Fa
 
 
 @contextlib.contextmanager
-def _meshes_outside() -> Iterator[None]:
+def meshes_outside() -> Iterator[None]:
     """Join device meshes outside the fake mode while the plan is applied (Note [Meshes made while sharding])."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -72,10 +72,13 @@ from fxmem.engine.binding import bind_inputs, fake_like, storage_of
 from fxmem.engine.capture import LOSS_NODE, FakeBatch, fake_batch, quiet_fake_tensor_log
 from fxmem.engine.dispatch import OpRuleMode
 from fxmem.engine.losses import Loss
+from fxmem.engine.module_hooks import ModuleScopes
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.inputs import InputSpec, make_input
+from fxmem.parallel import ParallelPlan, gathered_parameters, pipeline_meshes, shard_stage
 from fxmem.parallel.pipeline_report import OneGpu, PipelineRank, PipelineRun, RankChange
 from fxmem.parallel.pipeline_split import PipelinePlan, Schedule, StageGraphs, pipeline_plan, split_stages
+from fxmem.parallel.rank import Meshes, meshes_outside
 from fxmem.results import Category, Phase, Timeline
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.step import timeline as tl
@@ -130,15 +133,20 @@ def build_schedule(
     plan: PipelinePlan,
     examples: Sequence[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]],
     loss_fn: Callable[..., Any],
+    group: dist.ProcessGroup | None = None,
 ) -> Any:
     """torch's stages and schedule for ``rank`` (a submodule and its (inputs, outputs) example per
     stage of ``plan.local(rank)``), static shapes given (Note [Pipeline schedules on a fake group]);
-    used by the simulation and the real ranks alike."""
+    used by the simulation and the real ranks alike. ``group``: the pipeline's own process group
+    where the stages are sharded too (Note [Data parallel inside pipeline stages] in
+    fxmem/parallel/rank.py); None for the whole world."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     count = len(plan.bounds)
     stages: list[Any] = [
-        PipelineStage(module, s, count, torch.device("cpu"), input_args=_with_grad(inputs, s > 0), output_args=_with_grad(outputs, True))
+        PipelineStage(
+            module, s, count, torch.device("cpu"), input_args=_with_grad(inputs, s > 0), output_args=_with_grad(outputs, True), group=group
+        )
         for module, s, (inputs, outputs) in zip(submodules, plan.local(rank), examples, strict=True)
     ]
     if plan.schedule is Schedule.INTERLEAVED:
@@ -212,15 +220,21 @@ def simulate_stage(
     target: tl.StepTarget,
     model: str = "model",
     seq: int | None = None,
+    parallel: ParallelPlan | None = None,
 ) -> StageStep:
     """Rank ``rank``'s first training step (``batch`` the microbatch, None: symbolic B), its ops as
     ``target`` runs them, torch's schedule run on a fake process group under the timeline's tracker
-    (Note [Pipeline schedules on a fake group])."""
+    (Note [Pipeline schedules on a fake group]). With ``parallel``, each stage is sharded by it too,
+    on a world of ``plan.stages x parallel.world_size`` ranks (Note [Data parallel inside pipeline
+    stages] in fxmem/parallel/rank.py), and the step is the pipeline rank's first data- and
+    tensor-parallel rank's."""
     kernels = target.kernels
 
     fake = fake_batch(specs, batch, seq, target.state_dtype)
     local = plan.local(rank)
-    with quiet_fake_tensor_log(), pipeline_world(rank, plan.stages, model):
+    width = parallel.world_size if parallel is not None else 1
+    with quiet_fake_tensor_log(), pipeline_world(rank * width, plan.stages * width, model):
+        group, meshes = pipeline_meshes(plan.stages, parallel)
         held = _fake_copies(graphs.stages[: local[-1] + 1], fake)
         bound = [bind_inputs(graphs.whole, specs, m, model) for m in _microbatches(fake, specs, plan.microbatches, seq)]
         first = [tuple(graphs.first_inputs(b)) for b in bound]
@@ -234,19 +248,23 @@ def simulate_stage(
         with fake.mode:
             examples = [stage_examples(held, s, first[0]) for s in local]
             modules = [_StageModule(held[s], run.forward_of(held[s])) for s in local]
-            schedule = build_schedule(modules, rank, plan, examples, run.loss)
+            if parallel is not None:
+                run.shard(modules, parallel, meshes)
+            schedule = build_schedule(modules, rank, plan, examples, run.loss, group)
             targets = _targets(graphs, loss, examples[-1][1], bound, plan, last, model)
             _initialize(schedule, args[0], targets)
         params = {name: p for s in local for name, p in held[s].named_parameters()}
+        tracker._sharded = parallel is not None
         _adopt_baseline(tracker, [held[s] for s in local], schedule_stages(schedule), [list(a) for a in args], targets or [])
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
             opt = optimizer.make(trainable, target.optimizer_impl) if trainable else None
-            with tracker, OpRuleMode({}, {}, target.layouts), tl._host_rng_states(tracker), _sends_held():
+            resizes = tl._resizes_seen(tracker) if parallel is not None else contextlib.nullcontext()
+            with tracker, OpRuleMode({}, {}, target.layouts), tl._host_rng_states(tracker), _sends_held(), resizes:
                 categories = run.step(schedule, args, targets, opt, params)
     fake.check_symbols()
     timeline = tl._timeline(tracker, categories, batch, fake)
-    return StageStep(timeline, _saved_per_node(timeline, run.first_saved), tuple(run.marks))
+    return StageStep(timeline, _saved_per_node(timeline, run.first_saved - tracker.communication), tuple(run.marks))
 
 
 def _interpreted(
@@ -423,6 +441,24 @@ class _Run:
     categories: dict[int, Category] = field(default_factory=dict)
     marks: list[tuple[int, int]] = field(default_factory=list)
     """See ``StageStep.marks``."""
+    scopes: dict[int, ModuleScopes] = field(default_factory=dict)
+    """By stage graph (``id``): the modules inside it whose hooks its forward calls, where the stage is sharded."""
+    stages: list[nn.Module] = field(default_factory=list)
+    """The sharded stages' modules (the FSDP2 roots), whose gathered weights backward accumulates into."""
+
+    def shard(self, modules: Sequence[_StageModule], parallel: ParallelPlan, meshes: Meshes) -> None:
+        """Shard each stage as a real rank does (Note [Data parallel inside pipeline stages]), with the
+        fake mode set aside while meshes are joined (Note [Meshes made while sharding])."""
+        for module in modules:
+            with meshes_outside():
+                hooked = shard_stage(module, module.gm, parallel, meshes, self.model)
+            self.scopes[id(module.gm)] = ModuleScopes.of(module.gm, hooked, self.model)
+        self.stages = list(modules)
+
+    def labelled(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``params`` and, where the stages are sharded, the full-size parameters FSDP2 gathers them into."""
+        gathered = {name.partition(".")[2]: t for m in self.stages for name, t in gathered_parameters(m).items()}
+        return {**params, **gathered}
 
     def forward_of(self, gm: fx.GraphModule) -> Callable[..., Any]:
         """The forward of the stage whose graph is ``gm``."""
@@ -434,7 +470,7 @@ class _Run:
         self.tracker.poll()
         self.tracker.phase = Phase.FORWARD
         with self.kernels():
-            out = tl._Forward(gm, self.tracker, self.fake, self.model, self.kernels).run(*args)
+            out = tl._Forward(gm, self.tracker, self.fake, self.model, self.kernels, self.scopes.get(id(gm))).run(*args)
         self.tracker.poll()
         tl._mark(self.tracker, self.categories, out, Category.ACTIVATION)  # the stage caches its output until backward
         return out
@@ -479,6 +515,9 @@ class _Run:
             self.tracker.phase, self.tracker.node = Phase.ZERO_GRAD, "zero_grad"
             opt.zero_grad(set_to_none=True)
             self.tracker.poll()
+        for number in self.tracker.communication:  # Note [What a sharded step's engine allocates] in fxmem/step/timeline.py
+            if self.categories.get(number) not in (Category.GRADIENT, Category.OPTIMIZER_STATE):
+                self.categories[number] = Category.COMMUNICATION
         return self.categories
 
     def _hook_stage(self, stage: Any, params: Mapping[str, torch.Tensor]) -> None:
@@ -496,7 +535,7 @@ class _Run:
             self.tracker.poll()
             self.tracker.phase = Phase.BACKWARD
             root = loss if loss is not None else stage.fwd_cache[chunk][0][0]
-            tl._label_accumulators(params, root)
+            tl._label_accumulators(self.labelled(params), root)
             with tl._node_hooks(self.tracker, root):
                 original(chunk, loss=loss, full_backward=full_backward, last_backward=last_backward)
             self.tracker.poll()
