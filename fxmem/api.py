@@ -128,9 +128,10 @@ def analyze(
     step by running torch's own schedule (``schedule``: "gpipe", "1f1b" or "interleaved") over
     ``microbatches`` microbatches of ``batch`` samples on a
     fake process group (Note [Pipeline stages] in fxmem/parallel/pipeline_split.py): ``report.pipeline``
-    holds each rank, and ``report.peak`` is the highest rank's. With ``fsdp`` too, each stage is
-    sharded by FSDP2 over that many ranks (``fsdp_units`` inside it, then the stage's module: Note
-    [Data parallel inside pipeline stages] in fxmem/parallel/rank.py) and each rank is its stage's first.
+    holds each rank, and ``report.peak`` is the highest rank's. With ``fsdp`` and ``tp``, each
+    stage is sharded by FSDP2 and tensor parallel too (``fsdp_units`` and the plan's layers inside it,
+    then ``fully_shard`` on the stage's module: Note [Data parallel inside pipeline stages] in
+    fxmem/parallel/rank.py), each rank its stage's first.
     """
     name = name or type(model).__name__
     if pp != 1:
@@ -140,9 +141,12 @@ def analyze(
             target=target, gpu=gpu, amp=amp, precision=precision, world_size=world_size, shard=shard, optimizer_impl=optimizer_impl,
             overheads=overheads, bn_threshold=bn_threshold, torch_version=torch_version,
         )  # fmt: skip
+        world, sharding = _fsdp_setup(fsdp, world_size, shard)
+        rank_setup = TrainingSetup(target, gpu, amp, precision, world, sharding, optimizer_impl, dict(overheads or {}), torch_version, tp)
         return _pipelined(
-            model, one_gpu, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, virtual=stages_per_rank, name=name,
-            fsdp=fsdp, fsdp_units=fsdp_units, tp=tp, sp=sp, peak=peak, optimizer=optimizer, param_dtype=param_dtype, progress=progress,
+            model, one_gpu, rank_setup, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, virtual=stages_per_rank, name=name,
+            fsdp_units=fsdp_units, tp_plan=tp_plan, sp=sp, peak=peak, optimizer=optimizer, param_dtype=param_dtype,
+            progress=progress,
         )  # fmt: skip
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
     setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
@@ -184,6 +188,7 @@ def analyze(
 def _pipelined(
     model: nn.Module,
     one_gpu: Callable[[], Report],
+    setup: TrainingSetup,
     *,
     pp: int,
     microbatches: int,
@@ -191,9 +196,8 @@ def _pipelined(
     splits: Iterable[int] | None,
     virtual: int | None,
     name: str,
-    fsdp: int,
     fsdp_units: Iterable[str] | None,
-    tp: int,
+    tp_plan: Mapping[str, str] | None,
     sp: bool,
     peak: bool,
     optimizer: str,
@@ -202,25 +206,17 @@ def _pipelined(
 ) -> Report:
     """``analyze`` with ``pp`` pipeline stages: the whole model's saved bytes per node (a pipeline
     moves no node's; ``one_gpu`` analyzes it without a step), and every rank's step simulated
-    (fxmem/step/pipeline.py) on stages split from the graph ``one_gpu`` traced; with ``fsdp``, each
-    stage sharded by FSDP2 over that many ranks (Note [Data parallel inside pipeline stages] in
-    fxmem/parallel/rank.py)."""
-    if tp != 1 or sp or not peak:
-        raise InputSpecError(
-            f"model '{name}': --pp {pp} simulates each rank's step alone or with --fsdp; with --tp, --sp or --no-peak (peak=False) "
-            "it is not modelled yet."
-        )
+    (fxmem/step/pipeline.py) on stages split from the graph ``one_gpu`` traced. ``setup`` is a rank's:
+    with FSDP2 or tensor parallel in it, each stage is sharded by them too (Note [Data parallel inside
+    pipeline stages] in fxmem/parallel/rank.py)."""
+    if not peak:
+        raise InputSpecError(f"model '{name}': --pp {pp} simulates each rank's training step, which --no-peak (peak=False) skips; drop one.")
     plan = pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
+    within = _parallel_plan(model, setup, fsdp_units, _sequence_plan(model, setup.tp, tp_plan, sp, name), peak, name)
+    _check_tp_optimizer(model, within, setup.optimizer_impl or default_impl(get_optimizer(optimizer), setup.target), name)
     whole = one_gpu()
     say = progress or _silent
     graphs = split_stages(whole.graph, plan, name)
-    setup, within = whole.setup, None
-    if fsdp != 1:
-        world_size, shard = _fsdp_setup(fsdp, setup.world_size, setup.shard)
-        setup = replace(setup, world_size=world_size, shard=shard)
-        within = _parallel_plan(model, setup, fsdp_units, None, peak, name)
-    elif fsdp_units is not None:
-        raise InputSpecError("fsdp_units names FSDP2's units, which only --fsdp N (N > 1) uses; pass fsdp=N too.")
     ranks = tuple(_pipeline_rank(graphs, r, plan, whole, setup, optimizer, param_dtype, say, within) for r in range(pp))
     highest = max(ranks, key=lambda r: r.steps.device_bytes(whole.batch))
     highest.steps.path = f"rank {highest.rank} of {PipelineRun(plan, ranks, None, within).describe()}, the highest at B={whole.batch}"

@@ -34,7 +34,7 @@ from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
 from fxmem.measure_ranks import measure_ranks
 from fxmem.output.pipeline import render_pipeline
 from fxmem.output.render import FORMATS, MAX_ROWS, format_bytes, render, render_timeline
-from fxmem.parallel import ParallelPlan, default_tp_plan
+from fxmem.parallel import default_tp_plan
 from fxmem.planner.search import DEFAULT_LEVERS, LEVERS
 from fxmem.report import Report
 from fxmem.results import ModelSpec, Peak
@@ -132,7 +132,7 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--tp", type=_positive_int, default=1, metavar="T", help="simulate one rank of tensor parallel over T ranks: parallelize_module itself runs on a fake process group, with the model's own plan (a HF model's _tp_plan) or --tp-plan; with --fsdp N, one rank of an N x T mesh")
     g.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: give the module at PATH (* one path component, e.g. layers.*.mlp.up_proj) a style: colwise or rowwise (also colwise_gather_output, embedding_rowwise, and for sequence parallel sequence_parallel, sequence_parallel_gather_output, colwise_gather_input, rowwise_scatter_output, sequence_shard_input); repeat for each; default the model's own plan")
     g.add_argument("--sp", action="store_true", help="with --tp: sequence parallel, the model's own plan for it (the norms and the residual stream split along the sequence between the tensor-parallel layers)")
-    g.add_argument("--pp", type=_positive_int, default=1, metavar="P", help="simulate every rank of pipeline parallel over P stages: the repeated blocks split into P contiguous stages (the embeddings on the first, the head and the loss on the last), torch's own schedule run on a fake process group; --batch is the microbatch; with --fsdp N, each stage sharded by FSDP2 over N ranks (P x N ranks)")
+    g.add_argument("--pp", type=_positive_int, default=1, metavar="P", help="simulate every rank of pipeline parallel over P stages: the repeated blocks split into P contiguous stages (the embeddings on the first, the head and the loss on the last), torch's own schedule run on a fake process group; --batch is the microbatch; with --fsdp N and --tp T, each stage sharded by FSDP2 and tensor parallel too (P x N x T ranks)")
     g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M", help="with --pp: microbatches per step (a step takes M x --batch samples)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved runs --stages-per-rank stages per rank, ScheduleInterleaved1F1B)")
     g.add_argument("--stages-per-rank", type=_positive_int, default=None, metavar="V", help="with --pp and --schedule interleaved: stages on each rank, V x P in all (default 2)")
@@ -513,19 +513,7 @@ def _measure_pipeline(args: argparse.Namespace, spec: ModelSpec, report: Report,
     exact = "exact" if all(m.saved == run.ranks[m.rank // args.fsdp].activations.at(args.batch, report.seq_len) for m in ranks) else "differ"
     return (
         f"{run.describe()}, B={args.batch} per microbatch\n{table}\n\nPeak: largest error over the ranks {100 * worst:.2f}%; "
-        f"saved per microbatch {exact}. Measured with torch.profiler on each rank (Note [Pipeline schedules on a fake group] in fxmem/step/pipeline.py)."
-        + _late_frees(within)
-        + "\n"
-    )
-
-
-def _late_frees(within: ParallelPlan | None) -> str:
-    """What a sharded rank's peak above the prediction usually is, said where the stages are sharded."""
-    if within is None:
-        return ""
-    return (
-        " A rank up to two units' gathered weights above its prediction held a collective's buffers past their last use: gloo's "
-        "worker threads free them late on a busy machine (Note [Ranks of one real step] in fxmem/measure_ranks.py)."
+        f"saved per microbatch {exact}. Measured with torch.profiler on each rank (Note [Pipeline schedules on a fake group] in fxmem/step/pipeline.py).\n"
     )
 
 

@@ -91,6 +91,10 @@ def tiny_llama(vocab_size: int = 97) -> nn.Module:
 #     above it by more than every collective output of the forward held at once; saved activations
 #     and the starting state are exact on every rank. A rank measured on NCCL would differ in the
 #     same way: its work objects hold their tensors until the watchdog retires them.
+#     The cause was found later: each of gloo's worker threads keeps the work it last ran until it
+#     takes its queue's lock again (Note [Ranks of one real step] in fxmem/measure_ranks.py). The
+#     real ranks now pause after every wait on a collective, which lets the worker go first; the
+#     bounds here stay for a machine loaded enough to starve it longer.
 
 # Note [Collective inputs a real rank holds longer]
 #     Note [Collective outputs a real rank holds longer] bounds a real
@@ -139,21 +143,23 @@ def check_ranks(ranks: tuple[RankMeasurement, ...], report: Report, batch: int, 
 
 
 GLOO_WORKERS = 2
-"""gloo's worker threads in a default process group (``options->threads = devices.size() * 2``,
-one device): the most collectives whose tensors a rank may free late (Note [Ranks of one real step])."""
+"""gloo's worker threads in each process group (``options->threads = devices.size() * 2``, one
+device): the most collectives per group whose tensors a rank may free late (Note [Ranks of one real step])."""
 
 
-def assert_rank_peaks(peaks: Sequence[int], predicted: int, unit: int) -> None:
-    """Real FSDP2 ranks against the simulated rank's peak ``predicted``: none below it by more than 1%,
-    none above it by more than ``GLOO_WORKERS`` units (``unit``: one unit's gathered weights, the
-    largest tensor an FSDP2 collective holds) and 1%. A rank is the simulated one to the byte on most
-    runs; on some, a rank frees a collective's tensors late, when the gloo worker that ran it lets go
-    of it (Note [Ranks of one real step] in fxmem/measure_ranks.py: 15,360 B, the GPT test config's
-    root, and 50,560 B on the other rank in one CI run here; 37,120 B, a Llama test layer, on both
-    ranks in two; 399,360 B, nearly two checkpointed GPT blocks of 199,936 B, on one rank in a CI run on a loaded machine)."""
+def assert_rank_peaks(peaks: Sequence[int], predicted: int, unit: int, send: int = 0) -> None:
+    """Real ranks against the simulated rank's peak ``predicted``: none below it by more than 1%, none
+    above it by more than ``GLOO_WORKERS`` x (``unit`` + ``send``) and 1%. ``unit``: the largest tensor
+    a collective of the sharding group holds (FSDP2: one unit's gathered weights; tensor parallel: one
+    collective's output); ``send``: the largest tensor a pipeline stage sends, on the "pp" group's own
+    workers (0 without a pipeline). A rank is the simulated one to the byte on most runs; on some, a
+    rank frees a collective's tensors late, when the gloo worker that ran it lets go of it (Note [Ranks
+    of one real step] in fxmem/measure_ranks.py: 15,360 B, the GPT test config's root, and 50,560 B on
+    the other rank in one CI run here; 37,120 B, a Llama test layer, on both ranks in two; 399,360 B,
+    nearly two checkpointed GPT blocks of 199,936 B, on one rank in a CI run on a loaded machine)."""
     slack = 0.01 * predicted
-    high = predicted + GLOO_WORKERS * unit + slack
-    assert all(predicted - slack <= p <= high for p in peaks), (predicted, unit, list(peaks))
+    high = predicted + GLOO_WORKERS * (unit + send) + slack
+    assert all(predicted - slack <= p <= high for p in peaks), (predicted, unit, send, list(peaks))
 
 
 def cpu_computes_bf16() -> bool:

@@ -319,6 +319,8 @@ def test_three_stages_per_rank_match_real_ranks(first_step: bool) -> None:
 
 BLOCK = 2 * 2 * 32 + (96 * 32 + 96) + (32 * 32 + 32) + (128 * 32 + 128) + (32 * 128 + 32)
 """Floats in one block of the GPT test config (see test_rank_state_and_saved_bytes): 12,704."""
+SENT = BATCH * 16 * 32 * FLOAT
+"""What a stage of the GPT test config sends per microbatch: its (B, 16, 32) fp32 output or input gradient."""
 
 
 @pytest.fixture(scope="module")
@@ -350,8 +352,9 @@ def test_fsdp_inside_stages_matches_real_ranks(sharded_stages: fxmem.Report, fir
     """Four real processes (2 stages x 2 FSDP2 ranks, gloo), each stage's module sharded by the same
     plan: every rank's saved bytes per microbatch exact, and the peaks of a stage's two ranks within
     ``assert_rank_peaks``'s bound of the simulated one (seen here: the first data-parallel rank exact,
-    the second 256 B lower on both stages, its chunk of tok 50 rows; on some runs one rank a block's
-    50,816 B higher, Note [Ranks of one real step] in fxmem/measure_ranks.py)."""
+    the second 256 B lower on both stages, its chunk of tok 50 rows; before the ranks paused after each
+    wait, a rank a block's 50,816 B higher on most runs, Note [Ranks of one real step] in
+    fxmem/measure_ranks.py)."""
     model, inputs = _gpt()
     measured = measure_ranks(
         model, inputs, BATCH, pp=2, microbatches=MICRO, fsdp=2, units=sharded_stages.fsdp_units, loss="lm_cross_entropy", first_step=first_step
@@ -360,7 +363,7 @@ def test_fsdp_inside_stages_matches_real_ranks(sharded_stages: fxmem.Report, fir
     for stage, r in enumerate(sharded_stages.pipeline.ranks):
         group = [m for m in measured if m.rank // 2 == stage]
         assert [m.saved for m in group] == [r.activations.at(BATCH)] * 2
-        assert_rank_peaks([m.peak for m in group], r.peak(BATCH, first_step=first_step).bytes, FLOAT * BLOCK)
+        assert_rank_peaks([m.peak for m in group], r.peak(BATCH, first_step=first_step).bytes, FLOAT * BLOCK, SENT)
 
 
 def test_fsdp_inside_interleaved_stages_matches_real_ranks() -> None:
@@ -374,16 +377,58 @@ def test_fsdp_inside_interleaved_stages_matches_real_ranks() -> None:
     for stage, r in enumerate(report.pipeline.ranks):
         group = [m for m in measured if m.rank // 2 == stage]
         assert [m.saved for m in group] == [r.activations.at(BATCH)] * 2
-        assert_rank_peaks([m.peak for m in group], r.peak(BATCH).bytes, FLOAT * BLOCK)
+        assert_rank_peaks([m.peak for m in group], r.peak(BATCH).bytes, FLOAT * BLOCK, SENT)
 
 
-def test_pipeline_with_tensor_parallel_is_refused() -> None:
-    """Tensor parallel inside pipeline stages is not modelled yet: refused by name, in the simulation and
-    in the real run."""
+def test_tensor_parallel_inside_stages_matches_real_ranks() -> None:
+    """Two stages, each split by tensor parallel over 2 ranks with the GPT's own plan (Megatron's: qkv
+    and the MLP's first layer column-wise, the projections row-wise, embeddings, norms and the tied
+    head replicated). Parameters per rank by hand: a block keeps its norms (2 x 2 x 32) and row-wise
+    biases (32 + 32) whole, half of qkv (48 x 32 + 48), of the MLP's first layer (64 x 32 + 64) and of
+    each projection's weight (32 x 16, 32 x 64): 6,448 floats. Saved per microbatch exact on all 4
+    real ranks; peaks within ``assert_rank_peaks``'s bound, the largest tensor a tensor-parallel
+    collective holds being a row-wise output, (B, 16, 32) fp32 like a sent one (seen here: every rank
+    to the byte; before the ranks paused after each wait, Note [Ranks of one real step], 1 to 5 such
+    tensors over on three ranks of four in every run)."""
     model, inputs = _gpt()
-    with pytest.raises(InputSpecError, match=r"model 'GPT': --pp 2 simulates each rank's step alone or with --fsdp; with --tp"):
-        fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, tp=2)
-    with pytest.raises(InputSpecError, match=r"model 'GPT': --pp 2 with --tp is not modelled yet"):
-        measure_ranks(model, inputs, 2, pp=2, microbatches=2, tp=2)
+    run = dict(pp=2, microbatches=MICRO, tp=2, loss="lm_cross_entropy")
+    report = fxmem.analyze(model, inputs, batch=BATCH, target="cpu", **run)  # type: ignore[arg-type]
+    block = 2 * 2 * 32 + 32 + 32 + (48 * 32 + 48) + (64 * 32 + 64) + 32 * 16 + 32 * 64
+    first, last = report.pipeline.ranks
+    assert (first.parameters, last.parameters) == (FLOAT * (101 * 32 + 16 * 32 + block), FLOAT * (block + 2 * 32 + 101 * 32))
+    assert "each stage tensor parallel over 2" in report.pipeline.describe()
+    measured = measure_ranks(model, inputs, BATCH, **run)  # type: ignore[arg-type]
+    for stage, r in enumerate(report.pipeline.ranks):
+        group = [m for m in measured if m.rank // 2 == stage]
+        assert [m.saved for m in group] == [r.activations.at(BATCH)] * 2
+        assert_rank_peaks([m.peak for m in group], r.peak(BATCH).bytes, SENT, SENT)
+
+
+def test_fsdp_and_tensor_parallel_inside_stages_match_real_ranks() -> None:
+    """All three: 2 stages x FSDP2 over 2 x tensor parallel over 2, 8 real processes. FSDP2 shards each
+    tensor-parallel shard along dim 0 again, so rank 0 holds half of a block's 6,448 floats per
+    tensor-parallel rank (every dim 0 even: 3,224), 51 rows of tok, 8 of pos. Saved bytes exact on all
+    8 ranks, peaks within the bound (seen here: the first data-parallel rank of each stage to the byte,
+    the second 256 B lower, its chunk of tok a row shorter)."""
+    model, inputs = _gpt()
+    run = dict(pp=2, microbatches=MICRO, tp=2, fsdp=2, loss="lm_cross_entropy")
+    report = fxmem.analyze(model, inputs, batch=BATCH, target="cpu", **run)  # type: ignore[arg-type]
+    assert report.pipeline.ranks[0].parameters == FLOAT * (51 * 32 + 8 * 32 + 3224)
+    assert "each stage FSDP2 over 2 (fully_shard on 2 units and the root) x tensor parallel over 2" in report.pipeline.describe()
+    measured = measure_ranks(model, inputs, BATCH, units=report.fsdp_units, **run)  # type: ignore[arg-type]
+    assert [m.rank for m in measured] == list(range(8))
+    for stage, r in enumerate(report.pipeline.ranks):
+        group = [m for m in measured if m.rank // 4 == stage]
+        assert [m.saved for m in group] == [r.activations.at(BATCH)] * 4
+        assert_rank_peaks([m.peak for m in group], r.peak(BATCH).bytes, FLOAT * BLOCK // 2, SENT)
+
+
+def test_sharding_options_inside_a_pipeline_are_checked() -> None:
+    """What the sharding refuses without a pipeline it refuses inside one, by name."""
+    model, inputs = _gpt()
     with pytest.raises(InputSpecError, match=r"fsdp_units names FSDP2's units, which only --fsdp N"):
         fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, fsdp_units=["blocks.0"])
+    with pytest.raises(InputSpecError, match=r"sp \(--sp\) splits the sequence among tensor-parallel ranks"):
+        fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, sp=True)
+    with pytest.raises(InputSpecError, match=r"--pp 2 simulates each rank's training step, which --no-peak"):
+        fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, peak=False)
