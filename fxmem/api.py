@@ -211,6 +211,11 @@ def _pipelined(
     pipeline stages] in fxmem/parallel/rank.py)."""
     if not peak:
         raise InputSpecError(f"model '{name}': --pp {pp} simulates each rank's training step, which --no-peak (peak=False) skips; drop one.")
+    if sp is True and setup.tp > 1:
+        raise InputSpecError(
+            f"model '{name}': --sp inside pipeline stages is not modelled yet (a stage would hand the next one the residual "
+            "stream split along the sequence, which the stages' static shapes do not describe); use --tp without --sp with --pp."
+        )
     plan = pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
     within = _parallel_plan(model, setup, fsdp_units, _sequence_plan(model, setup.tp, tp_plan, sp, name), peak, name)
     _check_tp_optimizer(model, within, setup.optimizer_impl or default_impl(get_optimizer(optimizer), setup.target), name)

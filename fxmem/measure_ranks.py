@@ -169,9 +169,11 @@ def _pipeline(
     virtual: int | None,
     splits: Iterable[int] | None,
 ) -> PipelinePlan | None:
-    """The pipeline plan of a ``pp > 1`` run (None otherwise), which composes with nothing else yet."""
+    """The pipeline plan of a ``pp > 1`` run (None otherwise); its stages sharded by ``plan``."""
     if pp == 1:
         return None
+    if any(layer.style.startswith("sequence_") for layer in plan.tp_layers):
+        raise InputSpecError(f"model '{name}': sequence parallel inside pipeline stages is not modelled yet; give a tp_plan without sequence styles.")
     return pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
 
 

@@ -17,6 +17,7 @@ from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import parse_inputs
 from fxmem.measure_ranks import measure_ranks
 from fxmem.output.pipeline import render_pipeline
+from fxmem.parallel import default_tp_plan
 from fxmem.results import Category
 from fxmem.step.pipeline import StageLoss, pipeline_plan, split_stages
 from models_zoo.gpt2_small import GPT, build
@@ -430,5 +431,9 @@ def test_sharding_options_inside_a_pipeline_are_checked() -> None:
         fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, fsdp_units=["blocks.0"])
     with pytest.raises(InputSpecError, match=r"sp \(--sp\) splits the sequence among tensor-parallel ranks"):
         fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, sp=True)
+    with pytest.raises(InputSpecError, match=r"model 'GPT': --sp inside pipeline stages is not modelled yet"):
+        fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, tp=2, sp=True)
+    with pytest.raises(InputSpecError, match=r"model 'GPT': sequence parallel inside pipeline stages is not modelled yet"):
+        measure_ranks(model, inputs, 2, pp=2, microbatches=2, tp=2, tp_plan=default_tp_plan(model, sequence_parallel=True))
     with pytest.raises(InputSpecError, match=r"--pp 2 simulates each rank's training step, which --no-peak"):
         fxmem.analyze(model, inputs, batch=2, pp=2, microbatches=2, peak=False)
