@@ -4,6 +4,8 @@ real CPU processes (torchrun, gloo, torch's PipelineStage and schedule), each ra
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +19,7 @@ from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import parse_inputs
 from fxmem.measure_ranks import measure_ranks
 from fxmem.output.pipeline import render_pipeline
+from fxmem.output.render import render
 from fxmem.parallel import default_tp_plan
 from fxmem.results import Category
 from fxmem.step.pipeline import StageLoss, pipeline_plan, split_stages
@@ -346,6 +349,11 @@ def test_fsdp_shards_each_stage(sharded_stages: fxmem.Report, one_f_one_b: fxmem
     assert "each stage FSDP2 over 2 (fully_shard on 2 units and the root)" in text
     assert [sharded_stages.pipeline.change(r, BATCH).sharding > 0 for r in (0, 1)] == [True, True]
     assert "FSDP2's buffers" in text
+    data = json.loads(render(sharded_stages, "json"))["pipeline"]  # the JSON says what the lines say
+    assert (data["stages"], data["fsdp"], data["tp"], data["bounds"]) == (2, 2, 1, [[0, 1], [1, 2]])
+    assert [r["parameters"] for r in data["ranks"]] == [first.parameters, last.parameters]
+    assert [r["steady_step"]["bytes"] for r in data["ranks"]] == [first.peak(BATCH).bytes, last.peak(BATCH).bytes]
+    assert [r["against_one_gpu"]["sharding_buffers"] for r in data["ranks"]] == [sharded_stages.pipeline.change(r, BATCH).sharding for r in (0, 1)]
 
 
 @pytest.mark.parametrize("first_step", [False, True], ids=["steady", "first"])

@@ -23,6 +23,7 @@ from fxmem.inputs import Constant, InputSpec, dtype_name, format_dims
 from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Timeline
 
 if TYPE_CHECKING:
+    from fxmem.parallel.pipeline_report import PipelineRun
     from fxmem.report import Report
 from fxmem.cost.tradeoff import flop_exprs, memory_bound, node_costs, node_flop_exprs
 from fxmem.symbolic import ByteExpr
@@ -725,8 +726,36 @@ def to_dict(report: Report, *, depth: Depth = None) -> dict[str, Any]:
         **(_compute_dict(report) if report.steps is not None else {"flops": None, "roofline": None, "tradeoff": None}),
         "batchnorm": {"layers": list(report.bn_layers), "threshold": report.bn_threshold, "caveat": report.batchnorm_caveat() or None},
         "unsupported": [{"node": u.node, "layer": u.fqn, "reason": u.reason} for u in report.accounting.unsupported],
+        "pipeline": _pipeline_dict(report.pipeline, b, report.seq_len) if report.pipeline is not None else None,
     }
     return out
+
+
+def _pipeline_dict(run: PipelineRun, batch: int, seq: int | None) -> dict[str, Any]:
+    """With ``--pp``: the plan, and per rank what the report's pipeline lines say (fxmem/output/pipeline.py),
+    at the microbatch ``batch``; ``peak`` above is the highest rank's."""
+    plan = run.plan
+    ranks = []
+    for r in run.ranks:
+        steady, first = r.peak(batch), r.peak(batch, first_step=True)
+        change = run.change(r.rank, batch) if run.one_gpu is not None else None
+        ranks.append({
+            "rank": r.rank, "role": r.role, "blocks": r.blocks, "parameters": r.parameters,
+            "saved_per_microbatch": _expr_dict(r.activations), "saved_at_batch": r.activations.at(batch, seq),
+            "steady_step": {"bytes": steady.bytes, "phase": steady.phase.value, "node": steady.node, "device": _device_dict(steady.device)},
+            "first_step": {"bytes": first.bytes, "phase": first.phase.value, "node": first.node, "device": _device_dict(first.device)},
+            "microbatches_in_flight": r.in_flight(batch),
+            "against_one_gpu": None if change is None else {
+                "state": change.state, "activations_at_peak": change.activations, "receive_buffers": change.receive_buffers,
+                "sharding_buffers": change.sharding,
+            },
+        })  # fmt: skip
+    return {
+        "describe": run.describe(), "stages": plan.stages, "stages_per_rank": plan.virtual, "microbatches": plan.microbatches,
+        "schedule": plan.schedule.value, "blocks": plan.stack, "bounds": [list(b) for b in plan.bounds],
+        "fsdp": run.within.fsdp if run.within is not None else 1, "tp": run.within.tp if run.within is not None else 1,
+        "one_gpu_state": run.one_gpu.state if run.one_gpu is not None else None, "ranks": ranks,
+    }  # fmt: skip
 
 
 def _peak_dict(report: Report) -> dict[str, Any]:
