@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,27 +52,25 @@ def gathered_parameters(gm: nn.Module) -> dict[str, torch.Tensor]:
     """{parameter name: the full-size parameter FSDP2 gathers it into}, for the parameters gathered
     so far: the forward uses those, so autograd accumulates their gradients before they are sharded."""
     names = {id(p): name for name, p in gm.named_parameters()}
-    found: dict[str, torch.Tensor] = {}
-    for module in gm.modules():
-        state = getattr(module, "_get_fsdp_state", None)
-        if state is None:
-            continue
-        for group in state()._fsdp_param_groups:
-            for param in group.fsdp_params:
-                gathered = getattr(param, "_unsharded_param", None)
-                if gathered is not None and id(param.sharded_param) in names:
-                    found[names[id(param.sharded_param)]] = gathered
-    return found
+    return {names[id(p.sharded_param)]: gathered for p, gathered in _gathered(gm) if id(p.sharded_param) in names}
 
 
 def gathered_weights(model: nn.Module) -> list[torch.Tensor]:
     """The full-size parameters FSDP2 gathers into, for every unit of ``model``, whether or not they
     are registered on the module now (``gathered_parameters`` names them by the registered shards,
     which a unit still gathered after forward has swapped out)."""
-    found = []
+    return [gathered for _, gathered in _gathered(model)]
+
+
+def _gathered(model: nn.Module) -> Iterator[tuple[Any, torch.Tensor]]:
+    """Each FSDP2 parameter of ``model``'s units (an ``FSDPParam``) that has gathered so far, with the
+    full-size parameter it gathers into."""
     for module in model.modules():
         state = getattr(module, "_get_fsdp_state", None)
-        if state is not None:
-            for group in state()._fsdp_param_groups:
-                found += [p._unsharded_param for p in group.fsdp_params if hasattr(p, "_unsharded_param")]
-    return found
+        if state is None:
+            continue
+        for group in state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                gathered = getattr(param, "_unsharded_param", None)
+                if gathered is not None:
+                    yield param, gathered

@@ -457,6 +457,7 @@ class _Run:
 
     def labelled(self, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``params`` and, where the stages are sharded, the full-size parameters FSDP2 gathers them into."""
+        # named from the stage's module, which holds the root's FSDP2 state: its own attribute ("gm.") dropped
         gathered = {name.partition(".")[2]: t for m in self.stages for name, t in gathered_parameters(m).items()}
         return {**params, **gathered}
 
