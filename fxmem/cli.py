@@ -488,29 +488,30 @@ def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, pr
 
 
 def _measure_pipeline(args: argparse.Namespace, spec: ModelSpec, report: Report, say: Callable[[str], None]) -> str:
-    """``measure --peak --pp P [--fsdp N]``: the real pipeline step on P x N CPU processes, each rank beside
-    its simulated one (the first data-parallel rank of its stage's)."""
+    """``measure --peak --pp P [--fsdp N] [--tp T]``: the real pipeline step on P x N x T CPU processes, each
+    rank beside its simulated one (its stage's first data- and tensor-parallel rank)."""
     if args.target != "cpu" or args.amp is not None or args.optimizer_impl is not None:
         raise InputSpecError("measure --peak --pp runs the ranks on this machine's CPU with gloo: give --target cpu, without --amp or --optimizer-impl.")
     run = report.pipeline
     within = run.within
-    say(f"running one training step for real on {args.pp * args.fsdp} CPU processes (torchrun, gloo) at B={args.batch} per microbatch")
+    width = within.world_size if within is not None else 1  # the ranks of one stage (Note [Data parallel inside pipeline stages])
+    say(f"running one training step for real on {args.pp * width} CPU processes (torchrun, gloo) at B={args.batch} per microbatch")
     ranks = measure_ranks(
         materialize(spec.model), spec.inputs, args.batch, pp=args.pp, microbatches=args.microbatches, schedule=args.schedule,
         stages_per_rank=args.stages_per_rank, splits=args.pp_split, loss=spec.loss,
         optimizer=get_optimizer(args.optimizer).name, first_step=args.first_step, seq_len=report.seq_len,
-        fsdp=args.fsdp, units=report.fsdp_units, mixed=within is not None and within.mixed,
+        fsdp=args.fsdp, units=report.fsdp_units, mixed=within is not None and within.mixed, tp=args.tp, tp_plan=_measured_tp_plan(args, spec),
     )  # fmt: skip
     rows, worst = [], 0.0
     for m in ranks:
-        r = run.ranks[m.rank // args.fsdp]
+        r = run.ranks[m.rank // width]
         predicted, saved = r.peak(args.batch, first_step=args.first_step), r.activations.at(args.batch, report.seq_len)
         worst = max(worst, abs(predicted.bytes - m.peak) / m.peak if m.peak else 0.0)
         rows.append([f"rank {m.rank} ({r.role})", format_bytes(m.peak), format_bytes(predicted.bytes), m.phase.value, format_bytes(m.saved), format_bytes(saved)])
     step = "first step" if args.first_step else "steady step"
     headers = ["", f"Peak measured ({step})", "predicted", "Phase", "Saved measured", "predicted"]
     table = tabulate(rows, headers=headers, disable_numparse=True)
-    exact = "exact" if all(m.saved == run.ranks[m.rank // args.fsdp].activations.at(args.batch, report.seq_len) for m in ranks) else "differ"
+    exact = "exact" if all(m.saved == run.ranks[m.rank // width].activations.at(args.batch, report.seq_len) for m in ranks) else "differ"
     return (
         f"{run.describe()}, B={args.batch} per microbatch\n{table}\n\nPeak: largest error over the ranks {100 * worst:.2f}%; "
         f"saved per microbatch {exact}. Measured with torch.profiler on each rank (Note [Pipeline schedules on a fake group] in fxmem/step/pipeline.py).\n"

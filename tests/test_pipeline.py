@@ -180,7 +180,8 @@ def test_cli_analyze_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_fsdp_inside_stages(capsys: pytest.CaptureFixture[str]) -> None:
     """``analyze --pp 2 --fsdp 2`` names the sharding in the pipeline's line and FSDP2's buffers per
-    rank; ``measure --peak`` runs the 4 ranks and lists each beside its stage's simulated rank."""
+    rank; ``measure --peak`` runs the 4 ranks and lists each beside its stage's simulated rank; with
+    ``--tp 2`` instead, the 4 real ranks are split by tensor parallel too."""
     args = ["zoo:gpt2-small:test", "--target", "cpu", "--pp", "2", "--fsdp", "2", "--microbatches", "2", "--batch", "2"]
     assert main(["analyze", *args]) == 0
     out = capsys.readouterr().out
@@ -189,6 +190,10 @@ def test_cli_fsdp_inside_stages(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert all(f"rank {r} ({role})" in out for r, role in ((0, "first"), (1, "first"), (2, "last"), (3, "last"))), out
     assert "saved per microbatch exact" in out
+    tensor_parallel = ["zoo:gpt2-small:test", "--target", "cpu", "--pp", "2", "--tp", "2", "--microbatches", "2", "--batch", "2"]
+    assert main(["measure", "--peak", *tensor_parallel]) == 0  # the real ranks split by tensor parallel too, each beside its stage's
+    out = capsys.readouterr().out
+    assert "each stage tensor parallel over 2" in out and "rank 3 (last)" in out and "saved per microbatch exact" in out
 
 
 def test_cuda_ranks_replay_their_own_state_through_the_allocator(capsys: pytest.CaptureFixture[str]) -> None:
