@@ -155,17 +155,32 @@ def op_cost(func: OpOverload, args: tuple[Any, ...], kwargs: Mapping[str, Any], 
 
 
 def _unique_nbytes(leaves: Iterable[Any]) -> Count:
-    """Bytes of the distinct tensors among ``leaves``; see Note [Bytes moved]."""
+    """Bytes of the distinct tensors among ``leaves``; see Note [Bytes moved]. The symbolic sizes are
+    summed apart from the plain ones, so that a sum costs one SymInt addition per symbolic size."""
     seen: set[tuple[object, ...]] = set()
-    total: Count = 0
+    fixed = 0
+    symbolic: list[torch.SymInt] = []
     for t in leaves:
         if not isinstance(t, torch.Tensor):
             continue
         key = _tensor_key(t)
         if key not in seen:
             seen.add(key)
-            total = total + _nbytes(t)
-    return total
+            nbytes = _nbytes(t)
+            if isinstance(nbytes, int):
+                fixed += nbytes
+            else:
+                symbolic.append(nbytes)
+    return _sum(symbolic, fixed)
+
+
+def _sum(symbolic: list[torch.SymInt], fixed: int) -> Count:
+    if not symbolic:
+        return fixed
+    total: Count = symbolic[0]
+    for nbytes in symbolic[1:]:
+        total = total + nbytes
+    return total + fixed if fixed else total
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[object, ...]:
@@ -180,14 +195,21 @@ def _hashable(n: object) -> object:
 
 
 def _nbytes(t: torch.Tensor) -> Count:
-    """numel * element_size, except that a stride-0 (broadcast) dimension is read once."""
+    """numel * element_size, except that a stride-0 (broadcast) dimension is read once. The plain
+    sizes are multiplied first: SymInt arithmetic costs tens of microseconds an operation (a Python
+    SymNode and its sympy expression each time), and a symbolic pass counts every op's bytes."""
     if t.layout != torch.strided:
         return t.numel() * t.element_size()
-    numel: Count = 1
+    fixed = t.element_size()
+    symbolic: Count | None = None
     for size, stride in zip(t.shape, t.stride()):
-        if not statically_known_true(stride == 0):
-            numel = numel * size
-    return numel * t.element_size()
+        if statically_known_true(stride == 0):
+            continue
+        if isinstance(size, torch.SymInt):
+            symbolic = size if symbolic is None else symbolic * size
+        else:
+            fixed *= size
+    return fixed if symbolic is None else symbolic * fixed
 
 
 class FlopTally(TorchDispatchMode):

@@ -6,8 +6,8 @@ Note [Repeated blocks]
     3 and 4 blocks instead, extends the 3-block results to the full depth by repeating the middle
     block's (fxmem/step/repeats.py), and keeps them only where the same extension of the 3-block
     results reproduces the 4-block ones exactly, event for event and storage for storage; anywhere
-    else the whole model runs. The symbolic results, the costliest, are the 4-block ones extended,
-    checked by the B=1 pair (Note [The symbolic step from four blocks] in fxmem/step/repeats.py).
+    else the whole model runs. The symbolic results, the costliest, come from the 3-block copy
+    alone, checked by the B=1 pair (Note [The symbolic step from three blocks] in fxmem/step/repeats.py).
     Cutting the list keeps every block's own name (``blocks.0`` to
     ``blocks.2``), so the shallow results' names are the full model's. A model that only torch.export
     traces is not even exported whole: its graph is built from the 4-block export (Note [An exported

@@ -129,13 +129,10 @@ class Names:
 @dataclass(frozen=True)
 class ShallowNames:
     """The names a shallow result is renamed by: from the 3-block graph to the 4-block one and to the
-    whole model's, and from the 4-block graph to itself (a middle block's copy in block 2's place)
-    and to the whole model's."""
+    whole model's."""
 
     to_four: Names
     to_full: Names
-    four_to_four: Names
-    four_to_full: Names
 
     @property
     def stack(self) -> BlockStack:
@@ -145,15 +142,10 @@ class ShallowNames:
 def names_for(
     stack: BlockStack, graphs: Mapping[int, fx.GraphModule], full: fx.GraphModule, kinds: tuple[str, ...] = _RUNNING
 ) -> ShallowNames:
-    """The names from the 3- and 4-block graphs to the 4-block one and to ``full``; NotRepeating
-    where they do not correspond."""
+    """The names from the 3-block graph to the 4-block one and to ``full``; NotRepeating where they
+    do not correspond."""
     three, four, whole = graphs[3].graph, graphs[4].graph, full.graph
-    return ShallowNames(
-        Names.of(stack, three, four, 4, kinds),
-        Names.of(stack, three, whole, stack.depth, kinds),
-        Names.of(stack, four, four, 4, kinds),
-        Names.of(stack, four, whole, stack.depth, kinds),
-    )
+    return ShallowNames(Names.of(stack, three, four, 4, kinds), Names.of(stack, three, whole, stack.depth, kinds))
 
 
 @dataclass(frozen=True)
@@ -218,23 +210,23 @@ class Growth:
     pieces: tuple[tuple[_RunGrowth, ...], ...]
 
     @staticmethod
-    def between(small: Timeline, big: Timeline, depth: int, names: Names, onto_big: bool = False) -> Growth:
+    def between(small: Timeline, big: Timeline, depth: int, names: Names) -> Growth:
         """Read off the steps of ``depth`` and ``depth + 1`` blocks (``names`` renames the smaller one's
-        records as the bigger step names them), to be applied to the smaller step, or with
-        ``onto_big`` to the bigger one (or a step alike, at another batch)."""
+        records as the bigger step names them), to be applied to the smaller step (or a step alike,
+        at another batch: ``onto``). Each run keeps the smaller step's own record as its base."""
         edge = _edges(depth, depth + 1)
         rename = lambda r: replace(r, node=names.node(r.node, edge), fqn=names.fqn(r.fqn, edge))
         mine, theirs = _fixed_pieces(small.costs, depth, names.stack), _fixed_pieces(big.costs, depth + 1, names.stack)
         if len(mine) != len(theirs):
             raise NotRepeating("the ops outside the sweeps differ with one more block")
-        return Growth(tuple(_run_growth([rename(r) for r in a], b, onto_big) for a, b in zip(mine, theirs)))
+        return Growth(tuple(_run_growth(a, [rename(r) for r in a], b) for a, b in zip(mine, theirs)))
 
     def onto(self, costs: Sequence[OpCostRecord], depth: int, stack: BlockStack) -> Growth:
-        """This growth (read with ``onto_big``) for a step of ``depth + 1`` blocks at another batch,
+        """This growth for a step of ``depth`` blocks (the depth it was read at) at another batch,
         whose ops outside the sweeps are ``costs``': where the batch changes which ops run there
         (backward of a slice at B=1 only), the runs that grow are found among them by op, node and
         module, each whole; NotRepeating where one is not."""
-        pieces = _fixed_pieces(costs, depth + 1, stack)
+        pieces = _fixed_pieces(costs, depth, stack)
         if len(pieces) != len(self.pieces):
             raise NotRepeating("the ops outside the sweeps differ between the batches")
         return Growth(tuple(_aligned(runs, records) for runs, records in zip(self.pieces, pieces)))
@@ -276,21 +268,21 @@ def _fixed_pieces(costs: Sequence[OpCostRecord], depth: int, stack: BlockStack) 
     return [list(costs[p.start : p.end]) for p in pieces if p.kind == "fixed"]
 
 
-def _run_growth(mine: list[OpCostRecord], theirs: list[OpCostRecord], onto_big: bool) -> tuple[_RunGrowth, ...]:
-    """One fixed piece's runs, ``mine`` (named as with one more block) against ``theirs`` (the step
-    with one more block): the same ops, where a run may be longer and a foreach op cost more."""
-    ours, other = _run_lengths(mine), _run_lengths(theirs)
+def _run_growth(mine: list[OpCostRecord], renamed: list[OpCostRecord], theirs: list[OpCostRecord]) -> tuple[_RunGrowth, ...]:
+    """One fixed piece's runs, ``mine`` (``renamed`` as with one more block) against ``theirs`` (the
+    step with one more block): the same ops, where a run may be longer and a foreach op cost more."""
+    ours, other = _run_lengths(renamed), _run_lengths(theirs)
     if len(ours) != len(other):
         raise NotRepeating("the ops outside the sweeps differ with one more block")
     runs = []
-    for (record, count), (deeper, deeper_count) in zip(ours, other):
+    starts = itertools.accumulate((count for _, count in ours), initial=0)
+    for (record, count), (deeper, deeper_count), start in zip(ours, other, starts):
         if record != deeper:
             same_op = replace(deeper, flops=record.flops, read=record.read, written=record.written) == record
             if not same_op or count != 1 or deeper_count != 1 or not record.op.startswith(("aten._foreach_", "aten._fused_")):
                 raise NotRepeating(f"the op {record.op} at {record.node} differs with one more block")
-        base, length = (deeper, deeper_count) if onto_big else (record, count)
         added = (deeper.flops - record.flops, deeper.read - record.read, deeper.written - record.written)
-        runs.append(_RunGrowth(base, length, deeper_count - count, *added))
+        runs.append(_RunGrowth(mine[start], count, deeper_count - count, *added))
     return tuple(runs)
 
 
@@ -357,18 +349,19 @@ def extend_baseline(
 ) -> tuple[dict[Category, ByteExpr], tuple[tuple[Category, ByteExpr], ...]]:
     """The baseline (by category, and storage by storage) of ``to_depth`` blocks from those of
     ``depth`` and ``depth + 1``: what one more block inserts (its parameters among the parameters,
-    its buffers among the buffers) inserted ``to_depth - depth`` times. With ``onto`` (the deeper
-    step at another batch), its storages are the ones extended, placed as the deeper step's are."""
+    its buffers among the buffers) inserted ``to_depth - depth`` times. With ``onto`` (the shallow
+    step at another batch), its storages are the ones extended: only the inputs may differ between
+    the batches, and one more block inserts no input."""
     small, big = shallow.baseline_storages, deeper.baseline_storages
-    base = big if onto is None else onto.baseline_storages
-    if len(base) != len(big) or [c for c, _ in base] != [c for c, _ in big]:
-        raise NotRepeating("the baseline's storages differ between the batches")
+    base = small if onto is None else onto.baseline_storages
+    if len(base) != len(small) or any(a != b and Category.INPUT not in (a[0], b[0]) for a, b in zip(base, small)):
+        raise NotRepeating("the baseline's storages other than the inputs differ between the batches")
     storages: list[tuple[Category, ByteExpr]] = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, small, big, autojunk=False).get_opcodes():
         if tag == "equal":
-            storages.extend(small[i1:i2] if onto is None else base[j1:j2])
-        elif tag == "insert" and base[j1:j2] == big[j1:j2]:
-            storages.extend(base[j1:j2] * (to_depth - depth))
+            storages.extend(base[i1:i2])
+        elif tag == "insert" and all(category != Category.INPUT for category, _ in big[j1:j2]):
+            storages.extend(big[j1:j2] * (to_depth - depth))
         else:
             raise NotRepeating("one more block changes the baseline's storages, not only adds to them")
     baseline: dict[Category, ByteExpr] = {}
@@ -377,18 +370,25 @@ def extend_baseline(
     return baseline, tuple(storages)
 
 
-# Note [The symbolic step from four blocks]
-#     The symbolic passes cost most (SymInt arithmetic in every op of every block), so the symbolic
-#     step and capture are not made from a 3-block symbolic pass: they are the 4-block ones, extended
-#     by their block 1 (a middle block, as block 2 is) to the full depth. What that rests on is
-#     checked twice: at B=1, the 3-block step and capture extended to 4 blocks must be the 4-block
-#     ones, as always (the blocks repeat, and nothing depends on the depth); and at B symbolic,
-#     the 4-block step rebuilt from its block 1 must be itself, event for event, op for op and
-#     storage for storage (blocks 1 and 2 alike there too). What one more block adds outside the
-#     sweeps (Note [One cost for all the parameters]) is read off the B=1 pair: the optimizer's ops
-#     do not depend on the batch, and where the symbolic step's ops there are not those of B=1, op
-#     for op and cost for cost, the 3-block symbolic pass runs after all. So does it wherever the
-#     B=1 pair cannot be had (a model that cannot train on one sample).
+# Note [The symbolic step from three blocks]
+#     The symbolic passes cost most (SymInt arithmetic in every op of every block), so only the
+#     3-block copy takes one: the symbolic step and capture are the 3-block ones, extended by their
+#     middle block to the full depth. That the 3-block step extends is checked at B=1, where the
+#     3-block step and capture extended to 4 blocks must be the 4-block ones, as always (the blocks
+#     repeat, and nothing depends on the depth). What one more block adds outside the sweeps (Note
+#     [One cost for all the parameters]) is read off the same B=1 pair: the optimizer's ops do not
+#     depend on the batch, and where the symbolic step's ops there are not those of B=1, op for op
+#     and cost for cost, the 4-block symbolic pass runs after all and the 3-block step extended to
+#     4 blocks must be it, as at B=1. So does it wherever the B=1 pair cannot be had (a model that
+#     cannot train on one sample).
+#
+#     Before, the symbolic step was the 4-block one, extended by its block 1 after checking that
+#     its blocks 1 and 2 were alike. That check found nothing the B=1 pair does not: two middle
+#     blocks run the same graph on inputs of the same shapes (an exported graph is compared node
+#     for node, shapes in B included, in fxmem/frontends/deepen.py), and what a batch of B >= 2
+#     could make differ between them would differ at B=1 as well. Dropping the fourth block from
+#     the symbolic pass took Llama-3.1-8B's default analyze at 4096 tokens from 4.5 to 4.2 s (this
+#     2-core machine; benchmarks/scale.py --in-process).
 
 _NO_BATCH_ONE = (NotRepeating, FxmemError, SymbolicUnsupported, BatchSpecialized)
 """Why the B=1 pair may be missing: a pass fails, or the 3-block one does not extend to the 4-block one."""
@@ -414,12 +414,12 @@ class ShallowSteps:
     def timeline(self, batch: int | None) -> Timeline:
         """The full model's first-step timeline at ``batch``; NotRepeating where the 3-block step
         extended to 4 blocks is not the 4-block step, event for event and op for op. The symbolic
-        one from the 4-block step (Note [The symbolic step from four blocks])."""
+        one checked at B=1 alone where it can be (Note [The symbolic step from three blocks])."""
         pair = batch is None and _succeeds(lambda: self._checked(self.step(3, 1), self.step(4, 1)))
         if pair:
-            four = self.step(4, None)  # its own failure is the symbolic step's
+            three = self.step(3, None)  # its own failure is the symbolic step's
             with contextlib.suppress(NotRepeating):
-                return self._from_four(four)
+                return self._checked_at_one(three)
         three, four = self.step(3, batch), self.step(4, batch)
         growth = self._checked(three, four)
         full = extend_timeline(three, growth, 3, self.stack.depth, self.names.to_full)
@@ -435,15 +435,13 @@ class ShallowSteps:
             raise NotRepeating(_first_difference(guess, four))
         return growth
 
-    def _from_four(self, four: Timeline) -> Timeline:
+    def _checked_at_one(self, three: Timeline) -> Timeline:
+        """The 3-block step at another batch extended, by what one more block adds at B=1."""
         three_1, four_1 = self.step(3, 1), self.step(4, 1)
-        growth = Growth.between(three_1, four_1, 3, self.names.to_four, onto_big=True).onto(four.costs, 3, self.stack)
-        again = extend_timeline(four, growth, 4, 4, self.names.four_to_four)
-        if again.events != four.events or again.costs != four.costs:
-            raise NotRepeating("the 4-block step's blocks 1 and 2 differ")
-        full = extend_timeline(four, growth, 4, self.stack.depth, self.names.four_to_full)
-        baseline, storages = extend_baseline(three_1, four_1, 3, self.stack.depth, onto=four)
-        return replace(full, baseline=baseline, baseline_storages=storages, checks=four.checks, corrected=four.corrected)
+        growth = Growth.between(three_1, four_1, 3, self.names.to_four).onto(three.costs, 3, self.stack)
+        full = extend_timeline(three, growth, 3, self.stack.depth, self.names.to_full)
+        baseline, storages = extend_baseline(three_1, four_1, 3, self.stack.depth, onto=three)
+        return replace(full, baseline=baseline, baseline_storages=storages, checks=three.checks, corrected=three.corrected)
 
 
 @dataclass(frozen=True)
@@ -467,11 +465,10 @@ class ShallowCaptures:
 
     def at(self, batch: int | None, seq: int | None) -> Capture:
         """The full model's capture; NotRepeating where the 3-block one extended is not the 4-block
-        one. The symbolic one from the 4-block capture (Note [The symbolic step from four blocks])."""
+        one. The symbolic one checked at B=1 alone where it can be (Note [The symbolic step from
+        three blocks])."""
         if batch is None and _succeeds(lambda: self._checked(1, self.seq)):
-            four = self.captured(4, None, seq)  # its own failure is the symbolic pass's
-            if extend_capture(four, 4, 4, self.names.four_to_four) == four:
-                return extend_capture(four, 4, self.stack.depth, self.names.four_to_full)
+            return extend_capture(self.captured(3, None, seq), 3, self.stack.depth, self.names.to_full)
         return extend_capture(self._checked(batch, seq), 3, self.stack.depth, self.names.to_full)
 
     def _checked(self, batch: int | None, seq: int | None) -> Capture:
@@ -486,7 +483,7 @@ _T = TypeVar("_T")
 
 
 def _succeeds(check: Callable[[], object]) -> bool:
-    """Whether the B=1 pair can be had and extends (Note [The symbolic step from four blocks])."""
+    """Whether the B=1 pair can be had and extends (Note [The symbolic step from three blocks])."""
     try:
         check()
     except _NO_BATCH_ONE:
