@@ -218,14 +218,26 @@ class Timeline:
         another kernel runs]."""
         if not all(check(batch) for check in self.checks):
             return None
-        at = lambda x: ByteExpr(fixed=x.at(batch, seq))
+        done: dict[int, ByteExpr] = {}  # by identity: a deep step's copied events share their ByteExprs
+
+        def at(x: ByteExpr) -> ByteExpr:
+            found = done.get(id(x))
+            if found is None:
+                found = done[id(x)] = ByteExpr(fixed=x.at(batch, seq))
+            return found
+
         events = []
         for e in self.events:
-            extra = e.at_batch(batch) if e.at_batch is not None else 0
+            if e.at_batch is None:
+                events.append(MemoryEvent(e.phase, e.alloc, at(e.nbytes), e.category, e.node, e.fqn, e.op, e.storage, e.bound))
+                continue
+            extra = e.at_batch(batch)
             nbytes = None if extra is None else e.nbytes.at(batch, seq) + extra
-            if nbytes is not None and not (e.at_batch is not None and nbytes == 0):  # a workspace of 0 is none
+            if nbytes:  # a workspace of 0 is none, and one that is not there (None) neither
                 events.append(replace(e, nbytes=ByteExpr(fixed=nbytes), at_batch=None))
-        costs = tuple(replace(c, flops=at(c.flops), read=at(c.read), written=at(c.written)) for c in self.costs)
+        costs = tuple(
+            OpCostRecord(c.phase, c.node, c.fqn, c.op, c.dtype, at(c.flops), at(c.read), at(c.written), c.has_formula) for c in self.costs
+        )
         return replace(
             self,
             batch=batch,

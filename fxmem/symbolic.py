@@ -73,6 +73,8 @@ class ByteExpr:
 
     def at(self, batch: int, seq: int | None = None) -> int:
         """The bytes at one batch size (and sequence length, where S is symbolic)."""
+        if not (self.higher or self.seq_terms):  # a*B + c, the common case: a report evaluates tens of thousands
+            return self.per_sample * batch + self.fixed
         if self.seq_terms and seq is None:
             raise ValueError(f"bytes {self.polynomial()} depend on the sequence length S; pass seq=")
         powers = sum(c * batch ** (k + 2) for k, c in enumerate(self.higher))

@@ -59,3 +59,48 @@ def test_tensor_made_while_tracing_is_made_by_each_forward() -> None:
     over 33 tokens, two heads of 2) was 3.2% high at B=2."""
     for first_step in (True, False):
         assert_step_peak(MadeMask(), ["B,33,12"], 2, loss="sum", first_step=first_step)
+
+
+def test_pack_detaches_only_what_the_node_being_built_outputs() -> None:
+    """Note [What the step's saved-tensor hook keeps]: in ``z = y.exp()`` ExpBackward saves its own
+    result (an output: detached, or it would hold its own node); in ``w = z * y`` MulBackward saves
+    both inputs (kept as they are, as eager keeps them); ``x.sin()`` saves its leaf input."""
+    from fxmem.step.timeline import _saved_by_its_own_node
+
+    x = torch.ones(3, requires_grad=True)
+    seen: list[bool] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(_saved_by_its_own_node(t))
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = x * 2  # saves the scalar only
+        z = y.exp()
+        z * y
+        x.sin()
+    assert seen == [True, False, False, False]
+
+
+class SavesOutputs(nn.Module):
+    """Ops that save their own results (exp, sigmoid, softmax) beside ops that save their inputs, and
+    one result nobody reads, whose node backward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        torch.tanh(h)  # read by no one: eager frees it, and TanhBackward0 that saved it, at once
+        return (h.exp() * torch.sigmoid(h)).softmax(-1) * h
+
+
+def test_saved_outputs_die_with_their_nodes() -> None:
+    """A saved output kept with its own node would make a cycle that only the cycle collector (paused
+    during analyze) frees, where eager frees it with its node. A node that backward runs drops what
+    it saved then, cycle or not; the unread tanh's node never runs, and its (B, 256) float32 result
+    (16 KiB at B=16) would be counted alive to the end of the step, over the real CPU step's peak.
+    The predicted peak is the real step's, first and steady."""
+    for first_step in (True, False):
+        assert_step_peak(SavesOutputs(), ["B,8"], 16, loss="sum", first_step=first_step)

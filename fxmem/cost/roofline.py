@@ -138,9 +138,13 @@ def step_time(costs: Iterable[Cost], gpu: GpuSpec, *, tf32: bool = False) -> Ste
     """
     by_phase: dict[Phase, list[tuple[float, float, OpTime]]] = {}
     flops_by_rate: dict[tuple[torch.dtype, bool], float] = {}
+    timed_once: dict[tuple[object, ...], OpTime] = {}  # a deep model's blocks repeat their ops' costs
     for phase, dtype, flops, moved, *own in costs:
         op_tf32 = bool(own[0]) if own else tf32
-        timed = op_time(flops, moved, dtype, gpu, tf32=op_tf32)
+        op_key = (flops, moved, dtype, op_tf32)
+        timed = timed_once.get(op_key)
+        if timed is None:
+            timed = timed_once[op_key] = op_time(flops, moved, dtype, gpu, tf32=op_tf32)
         by_phase.setdefault(_phase(phase), []).append((float(flops), float(moved), timed))
         if flops:
             key = (dtype, op_tf32 and dtype == torch.float32)

@@ -118,15 +118,18 @@ def _dtype(c: OpCostRecord) -> torch.dtype:
 
 def step_estimate(timeline: Timeline, batch: int, gpu: GpuSpec, seq: int | None = None) -> StepTime:
     """A roofline lower bound on one step's time at ``batch`` on ``gpu``. See Note [TF32 by default]."""
-    at: dict[tuple[ByteExpr, ByteExpr, ByteExpr], tuple[int, int]] = {}
+    at: dict[tuple[int, int, int], tuple[int, int]] = {}
 
     def evaluated(c: OpCostRecord) -> tuple[int, int]:
         """(FLOPs, bytes moved) at ``batch``, worked out once per distinct op cost (a deep model repeats
-        each block's ops once per block, so a 7B step has ~15,000 ops and ~500 distinct costs)."""
-        key = (c.flops, c.read, c.written)
-        if key not in at:
-            at[key] = (c.flops.at(batch, seq), (c.read + c.written).at(batch, seq))
-        return at[key]
+        each block's ops once per block, so a 7B step has ~15,000 ops and ~500 distinct costs). The
+        copies of one block's record share its ByteExprs, so they are told apart by identity, which
+        the timeline, alive throughout, keeps from being reused."""
+        key = (id(c.flops), id(c.read), id(c.written))
+        found = at.get(key)
+        if found is None:
+            found = at[key] = (c.flops.at(batch, seq), (c.read + c.written).at(batch, seq))
+        return found
 
     costs = ((c.phase, _dtype(c), *evaluated(c), c.op in _TF32_OPS) for c in timeline.costs)
     return step_time(costs, gpu)

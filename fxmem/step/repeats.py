@@ -292,7 +292,7 @@ def _extend_costs(small: Sequence[OpCostRecord], growth: Growth, depth: int, to_
         raise NotRepeating("the ops outside the sweeps differ from those the growth was read from")
     edge = _edges(depth, to_depth)
     out: list[OpCostRecord] = []
-    rename = lambda r, to, n=names: replace(r, node=n.node(r.node, to), fqn=n.fqn(r.fqn, to))
+    rename = lambda r, to, n=names: _named(r, n.node(r.node, to), n.fqn(r.fqn, to))
     i, f = 0, 0
     while i < len(pieces):
         piece = pieces[i]
@@ -402,6 +402,7 @@ class ShallowSteps:
     names: ShallowNames
     simulate: Callable[[int, int | None], Timeline]
     made: dict[tuple[int, int | None], Timeline | Exception] = field(default_factory=dict, repr=False, compare=False)
+    growths: dict[int | None, Growth | Exception] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def stack(self) -> BlockStack:
@@ -415,20 +416,23 @@ class ShallowSteps:
         """The full model's first-step timeline at ``batch``; NotRepeating where the 3-block step
         extended to 4 blocks is not the 4-block step, event for event and op for op. The symbolic
         one checked at B=1 alone where it can be (Note [The symbolic step from three blocks])."""
-        pair = batch is None and _succeeds(lambda: self._checked(self.step(3, 1), self.step(4, 1)))
+        pair = batch is None and _succeeds(lambda: self._growth(1))
         if pair:
             three = self.step(3, None)  # its own failure is the symbolic step's
             with contextlib.suppress(NotRepeating):
                 return self._checked_at_one(three)
+        growth = self._growth(batch)
         three, four = self.step(3, batch), self.step(4, batch)
-        growth = self._checked(three, four)
         full = extend_timeline(three, growth, 3, self.stack.depth, self.names.to_full)
         baseline, storages = extend_baseline(three, four, 3, self.stack.depth)
         return replace(full, baseline=baseline, baseline_storages=storages, checks=four.checks, corrected=four.corrected)
 
+    def _growth(self, batch: int | None) -> Growth:
+        """What one more block adds outside the sweeps at ``batch``, worked out once; NotRepeating
+        unless the 3-block step extended to 4 blocks is the 4-block step."""
+        return _once(self.growths, batch, lambda: self._checked(self.step(3, batch), self.step(4, batch)))
+
     def _checked(self, three: Timeline, four: Timeline) -> Growth:
-        """What one more block adds outside the sweeps; NotRepeating unless the 3-block step extended
-        to 4 blocks is ``four``."""
         growth = Growth.between(three, four, 3, self.names.to_four)
         guess = extend_timeline(three, growth, 3, 4, self.names.to_four)
         if guess.events != four.events or guess.costs != four.costs:
@@ -438,7 +442,7 @@ class ShallowSteps:
     def _checked_at_one(self, three: Timeline) -> Timeline:
         """The 3-block step at another batch extended, by what one more block adds at B=1."""
         three_1, four_1 = self.step(3, 1), self.step(4, 1)
-        growth = Growth.between(three_1, four_1, 3, self.names.to_four).onto(three.costs, 3, self.stack)
+        growth = self._growth(1).onto(three.costs, 3, self.stack)
         full = extend_timeline(three, growth, 3, self.stack.depth, self.names.to_full)
         baseline, storages = extend_baseline(three_1, four_1, 3, self.stack.depth, onto=three)
         return replace(full, baseline=baseline, baseline_storages=storages, checks=three.checks, corrected=three.corrected)
@@ -703,8 +707,10 @@ def _allocation_keys(events: Sequence[MemoryEvent], piece_of: Mapping[int, _Piec
     return keys
 
 
-def _renamed(c: OpCostRecord, to: Callable[[int], int], names: Names) -> OpCostRecord:
-    return replace(c, node=names.node(c.node, to), fqn=names.fqn(c.fqn, to))
+def _named(c: OpCostRecord, node: str, fqn: str) -> OpCostRecord:
+    """``c`` at ``node`` in ``fqn``, built directly: ``dataclasses.replace`` costs microseconds a call,
+    and extending a deep step copies tens of thousands of records."""
+    return OpCostRecord(c.phase, node, fqn, c.op, c.dtype, c.flops, c.read, c.written, c.has_formula)
 
 
 # Note [Saved tensors from three blocks]
