@@ -37,6 +37,6 @@ def cycle_collector_paused(fn: Callable[P, R]) -> Callable[P, R]:
 #     frees everything the moment it is last used, which is what the step's timeline watches (a
 #     storage's death is its weakref's callback: Note [How the timeline sees memory] in
 #     fxmem/step/timeline.py); the simulated step makes no cycles that hold a storage (its ``pack``
-#     detaches what it keeps for that reason), so pausing the collector changes no event. What
-#     cycles there are wait for the next collection once ``analyze`` (or ``render``, which may run
-#     a lazy pass) returns.
+#     detaches the outputs it keeps for that reason: Note [What the step's saved-tensor hook keeps]),
+#     so pausing the collector changes no event. What cycles there are wait for the next collection
+#     once ``analyze`` (or ``render``, which may run a lazy pass) returns.

@@ -215,7 +215,7 @@ class Growth:
         records as the bigger step names them), to be applied to the smaller step (or a step alike,
         at another batch: ``onto``). Each run keeps the smaller step's own record as its base."""
         edge = _edges(depth, depth + 1)
-        rename = lambda r: replace(r, node=names.node(r.node, edge), fqn=names.fqn(r.fqn, edge))
+        rename = lambda r: _named(r, names.node(r.node, edge), names.fqn(r.fqn, edge))
         mine, theirs = _fixed_pieces(small.costs, depth, names.stack), _fixed_pieces(big.costs, depth + 1, names.stack)
         if len(mine) != len(theirs):
             raise NotRepeating("the ops outside the sweeps differ with one more block")
@@ -354,7 +354,7 @@ def extend_baseline(
     the batches, and one more block inserts no input."""
     small, big = shallow.baseline_storages, deeper.baseline_storages
     base = small if onto is None else onto.baseline_storages
-    if len(base) != len(small) or any(a != b and Category.INPUT not in (a[0], b[0]) for a, b in zip(base, small)):
+    if len(base) != len(small) or any(a[0] != b[0] or (a != b and a[0] != Category.INPUT) for a, b in zip(base, small)):
         raise NotRepeating("the baseline's storages other than the inputs differ between the batches")
     storages: list[tuple[Category, ByteExpr]] = []
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, small, big, autojunk=False).get_opcodes():

@@ -889,8 +889,8 @@ def _run_step(
 #     detaches a tensor whose ``grad_fn`` is the node being built, the newest one (sequence number
 #     ``torch.autograd._get_sequence_nr() - 1``, as torch/fx/proxy.py reads it), and returns any
 #     other as it is. Nothing changes in what is kept alive; what changes is the count of fake ops:
-#     a symbolic ``detach`` costs about 0.4 ms, and a Llama block saves some 90 inputs (its weights'
-#     transposes, its activations) against a handful of outputs.
+#     a symbolic ``detach`` costs about 0.4 ms, and the symbolic forward of Llama-3.1-8B's 3-block
+#     copy packs 127 tensors, 11 of them outputs of the node saving them (rsqrt's, the softmaxes').
 
 
 def _saved_by_its_own_node(t: torch.Tensor) -> bool:
