@@ -41,7 +41,7 @@ from fxmem.step.pipeline import (
 )
 from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
 from fxmem.step.sharding import engine_share, fsdp_units, shard_state, units_of
-from fxmem.step.state import get_optimizer, state_bytes
+from fxmem.step.state import HeldState, get_optimizer, held_state, state_bytes
 from fxmem.step.timeline import simulate_step
 from fxmem.step.training import DEFAULT_GPU, TrainingSetup
 
@@ -85,6 +85,8 @@ def analyze(
     schedule: str = "1f1b",
     pp_splits: Iterable[int] | None = None,
     stages_per_rank: int | None = None,
+    alloc_conf: str = "",
+    memory_fraction: float | None = None,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -110,7 +112,11 @@ def analyze(
     ``bn_threshold``: per-device batches below it get the batch-norm caveat where the model has
     batch-statistics layers (``Report.batchnorm_caveat``). ``torch_version`` ("2.11") is the torch
     release the training job runs, where a cuda target's kernel choices changed between releases
-    (SDPA's backend, cuBLASLt's workspace); None follows the torch fxmem runs with.
+    (SDPA's backend, cuBLASLt's workspace); None follows the torch fxmem runs with. ``alloc_conf`` is
+    ``PYTORCH_CUDA_ALLOC_CONF`` as the job sets it ("expandable_segments:True,max_split_size_mb:512";
+    default torch's) and ``memory_fraction`` ``torch.cuda.set_per_process_memory_fraction``'s share: the
+    step is replayed through the caching allocator so set up, against ``device_memory`` (default the
+    GPU's), and fits where torch would raise no out-of-memory error (``Report.fits``).
 
     ``fsdp`` (N > 1, the same as ``world_size=N, shard="fsdp"``) simulates one rank of FSDP2 over N
     ranks by running ``fully_shard`` itself on a fake process group (fxmem/parallel): ``fsdp_units``
@@ -139,17 +145,22 @@ def analyze(
             analyze, model, inputs, loss=loss, optimizer=optimizer, param_dtype=param_dtype, batch=batch, device_memory=device_memory,
             name=name, leaf_types=leaf_types, frontend=frontend, seq_len=seq_len, strict=strict, peak=False, progress=progress,
             target=target, gpu=gpu, amp=amp, precision=precision, world_size=world_size, shard=shard, optimizer_impl=optimizer_impl,
-            overheads=overheads, bn_threshold=bn_threshold, torch_version=torch_version,
+            overheads=overheads, bn_threshold=bn_threshold, torch_version=torch_version, alloc_conf=alloc_conf,
+            memory_fraction=memory_fraction,
         )  # fmt: skip
         world, sharding = _fsdp_setup(fsdp, world_size, shard)
-        rank_setup = TrainingSetup(target, gpu, amp, precision, world, sharding, optimizer_impl, dict(overheads or {}), torch_version, tp)
+        rank_setup = TrainingSetup(
+            target, gpu, amp, precision, world, sharding, optimizer_impl, dict(overheads or {}), torch_version, tp, alloc_conf, memory_fraction
+        )
         return _pipelined(
             model, one_gpu, rank_setup, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, virtual=stages_per_rank, name=name,
             fsdp_units=fsdp_units, tp_plan=tp_plan, sp=sp, peak=peak, optimizer=optimizer, param_dtype=param_dtype,
             progress=progress,
         )  # fmt: skip
     world_size, shard = _fsdp_setup(fsdp, world_size, shard)
-    setup = TrainingSetup(target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp)
+    setup = TrainingSetup(
+        target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp, alloc_conf, memory_fraction
+    )
     specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
     bn_threshold = _check_threshold(bn_threshold)
@@ -168,16 +179,17 @@ def analyze(
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan, shared)
     say("counting model state")
     _check_tp_optimizer(model, plan, impl, name)
-    state, per_gpu, device = _state(model, opt, param_dtype, setup, impl)
+    if device_memory is None and setup.cuda:
+        device_memory = setup.device.memory_bytes
+    state, per_gpu, device = _state(model, opt, param_dtype, setup, impl, device_memory)
     evaluate = None if accounting.linear else _concrete_evaluator(gm, specs, loss_fn, name, seq, strict, setup)
     steps = None
     if peak:
         step = shared.step if shared is not None else lambda graph, b: simulate(graph, b, None)
-        steps = _simulate_steps(gm, step, say, seq, batch, device, shallow, plan)
+        held = _held_state(model, opt, param_dtype, setup, impl, per_gpu)
+        steps = _simulate_steps(gm, step, say, seq, batch, device, held, shallow, plan)
         if plan is not None:
             per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size, setup.engine_name)
-    if device_memory is None and setup.cuda:
-        device_memory = setup.device.memory_bytes
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
         bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold, checkpointed=len(checkpoint_regions(gm)),
@@ -249,7 +261,8 @@ def _pipeline_rank(
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     loss = get_loss(whole.loss)
     held = nn.ModuleList([graphs.stages[s] for s in plan.local(rank)])  # a weight two of its stages read, once
-    device = _state(held, opt, param_dtype, setup, impl)[2]
+    _, per_gpu, device = _state(held, opt, param_dtype, setup, impl, whole.device_memory)
+    beyond = _held_state(held, opt, param_dtype, setup, impl, per_gpu)
 
     marks: dict[int | None, tuple[tuple[int, int], ...]] = {}
     target = setup.step_target(impl)
@@ -265,14 +278,15 @@ def _pipeline_rank(
 
     symbolic = simulate(None)
     steps = StepPeaks(
-        symbolic.timeline, {}, lambda b: simulate(b).timeline, whole.seq_len, make_batch_one=lambda: simulate(1).timeline, device=device
+        symbolic.timeline, {}, lambda b: simulate(b).timeline, whole.seq_len, make_batch_one=lambda: simulate(1).timeline, device=device,
+        held=beyond,
     )
     params = sum(v.fixed for c, v in symbolic.timeline.baseline.items() if c == Category.PARAMETER)
     return PipelineRank(rank, plan.role(rank), plan.blocks(rank), params, symbolic.saved, steps, marks)
 
 
 def _state(
-    model: nn.Module, opt: OptimizerRule, param_dtype: torch.dtype | None, setup: TrainingSetup, impl: str
+    model: nn.Module, opt: OptimizerRule, param_dtype: torch.dtype | None, setup: TrainingSetup, impl: str, budget: int | None = None
 ) -> tuple[StateBytes, PerGpuState, DeviceModel | None]:
     """The model state under the recipe, one GPU's share of it, and (cuda) how that GPU holds the step.
 
@@ -302,8 +316,20 @@ def _state(
             simulated=count(None, setup.state_dtype or param_dtype),
             per_gpu=per_gpu,
             release=setup.release,
+            budget=budget,
+            alloc=setup.allocator,
         ),
     )
+
+
+def _held_state(
+    model: nn.Module, opt: OptimizerRule, param_dtype: torch.dtype | None, setup: TrainingSetup, impl: str, per_gpu: PerGpuState
+) -> HeldState:
+    """What one GPU holds of the state (``per_gpu``) beyond the state the step is simulated with: the
+    step's peak counts it (Note [The state the peak holds] in fxmem/step/state.py), as the device
+    model's replay does (Note [Per-GPU state in the replay] in fxmem/gpu/device.py)."""
+    dtype = setup.state_dtype or param_dtype
+    return held_state(state_bytes(model, optimizer=opt, param_dtype=dtype, optimizer_impl=impl, target=setup.target), per_gpu)
 
 
 def _step_simulator(
@@ -345,6 +371,7 @@ def _simulate_steps(
     seq: int | None,
     batch: int,
     device: DeviceModel | None,
+    held: HeldState | None = None,
     shallow: tuple[BlockStack, dict[int, fx.GraphModule]] | None = None,
     plan: ParallelPlan | None = None,
 ) -> StepPeaks:
@@ -377,7 +404,7 @@ def _simulate_steps(
         except (SymbolicUnsupported, BatchSpecialized) as e:
             return None, f"the step is simulated at each batch size asked ({e})"
 
-    steps = StepPeaks(None, {}, run, seq, make_symbolic=symbolic, make_batch_one=lambda: run(1), device=device, path=path)
+    steps = StepPeaks(None, {}, run, seq, make_symbolic=symbolic, make_batch_one=lambda: run(1), device=device, held=held, path=path)
     steps.peak(batch)
     return steps
 

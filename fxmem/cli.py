@@ -16,6 +16,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -122,7 +123,7 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     """Where and how the step runs: target device and GPU, autocast, precision, sharding."""
     g = p.add_argument_group("training setup")
     g.add_argument("--target", choices=TARGETS, default=target, help=f"the device the step runs on (default {target}): cuda predicts what the GPU keeps (its kernels, caching allocator and fixed costs); cpu is what 'fxmem measure' checks exactly")
-    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU})")
+    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU}); or any other, described from its datasheet as KEY=VALUE pairs, e.g. --gpu memory=12GiB,cc=8.6,bandwidth=360GB/s,fp32=12.7,fp16=51: memory (best the total nvidia-smi shows), cc (compute capability), bandwidth (GB/s or TB/s) and fp32 required; tf32, bf16, fp16, fp8 and label optional; rates in dense TFLOPS (half a datasheet's 'with sparsity' figure)")
     g.add_argument("--amp", choices=list(AMP_DTYPES), help="run the forward and the loss under autocast in this dtype, with the target's cast policy")
     g.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(k for k, r in RECIPES.items() if r.weight_dtype == torch.bfloat16)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights")
     g.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
@@ -140,6 +141,8 @@ def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
     g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
     g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
+    g.add_argument("--alloc-conf", default="", metavar="CONF", help="with --target cuda: PYTORCH_CUDA_ALLOC_CONF as your job sets it, e.g. expandable_segments:True or max_split_size_mb:512,garbage_collection_threshold:0.6 (default: torch's defaults); the step is replayed through the caching allocator so set up")
+    g.add_argument("--memory-fraction", type=float, metavar="F", help="with --target cuda: torch.cuda.set_per_process_memory_fraction(F) as your job calls it: reserved memory may not pass F x the device's memory")
 
 
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
@@ -149,13 +152,13 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         name, eq, size = item.partition("=")
         if not eq:
             raise InputSpecError(f"--overhead '{item}': write NAME=SIZE, e.g. --overhead cuda_context=600MiB.")
-        overheads[name] = parse_size(size, f"--overhead {name}")
+        overheads[name] = parse_size(size, f"--overhead {name}", allow_zero=True)
     return {
         "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
         "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
         "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "pp_splits": args.pp_split,
-        "stages_per_rank": args.stages_per_rank,
+        "stages_per_rank": args.stages_per_rank, "alloc_conf": args.alloc_conf, "memory_fraction": args.memory_fraction,
     }  # fmt: skip
 
 
@@ -188,11 +191,12 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--batch", type=_positive_int, default=32, help="the batch size to evaluate at (default 32)")
     a.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
     a.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
-    a.add_argument("--device-memory", metavar="SIZE", help="device memory, e.g. 80GiB or 24GB: report the largest batch that fits")
+    a.add_argument("--device-memory", metavar="SIZE", help="device memory with its unit, e.g. 80GiB or 24GB (a bare number is an error): report the largest batch that fits")
     a.add_argument("--depth", type=_depth, metavar="K|all", help=f"group layers by module path truncated to K components, or 'all' for every module path (default: the deepest grouping with at most {MAX_ROWS} rows, full paths with --top; JSON and CSV: every module path)")
     a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
     a.add_argument("--format", choices=FORMATS, default="table")
     a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
+    a.add_argument("--check", action="store_true", help=f"make the exit status the verdict, for scripts and CI: 0 when --batch fits the device, {EXIT_DOES_NOT_FIT} when it does not (2 stays an error)")
     a.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
     a.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
     a.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained web page (module tree, the step's memory over time, the batch trade-off); open it in any browser")
@@ -218,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="search the levers (micro-batch, precision, optimizer implementation, checkpointing, sharding) for the fastest step that fits",
                         description="Find the training configurations whose step fits the GPU, fastest first, each simulated in full; or how far the closest falls short.", epilog=_SECURITY)  # fmt: skip
     _model_options(pl)
-    pl.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU})")
+    pl.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU}); or any other described from its datasheet, e.g. --gpu memory=12GiB,cc=8.6,bandwidth=360GB/s,fp32=12.7,fp16=51 (the keys: see fxmem analyze --help)")
     pl.add_argument("--target", choices=TARGETS, default="cuda", help="cuda (the GPU's kernels, allocator and fixed costs), or cpu to plan for this machine, where --verify measures the plan")
     pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs to train on: with N > 1 the planner also tries FSDP2 and FSDP2 x tensor parallel")
     pl.add_argument("--memory", metavar="SIZE", help="memory per GPU to fit in, e.g. 40GiB (default: the GPU's)")
@@ -352,6 +356,8 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
         seq_len=_analysis_seq_len(args, spec), strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold, **_setup(args),
     )  # fmt: skip
+    if args.check and report.device_memory is None:
+        raise InputSpecError("--check needs a device to fit in: with --target cpu give --device-memory (e.g. 24GiB).")
     text = render(report, args.format, depth=args.depth, top=args.top)
     if report.pipeline is not None and args.format in ("table", "markdown"):  # every rank of --pp beside the highest one's step
         text += "\n" + render_pipeline(report.pipeline, report.batch, report.seq_len)
@@ -367,7 +373,19 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         _write_page(args.html, report.to_html())
         if args.format != "json":
             text += f"\nWrote {args.html}.\n"
-    return text
+    return _Output(text, EXIT_DOES_NOT_FIT if args.check and not report.fits() else 0)
+
+
+EXIT_DOES_NOT_FIT = 3
+"""``fxmem analyze --check``'s exit status when the batch does not fit (0: it fits; 2: an error)."""
+
+
+@dataclass(frozen=True)
+class _Output:
+    """What a command prints, and the exit status it asks for (``--check``)."""
+
+    text: str
+    status: int = 0
 
 
 def _write_page(path: str, page: str) -> None:
@@ -429,6 +447,8 @@ def _check_measurable(args: argparse.Namespace) -> None:
     flags["--tp"] = args.tp != 1 and not args.peak
     flags["--pp"] = args.pp != 1 and not args.peak
     flags["--torch-version"] = args.torch_version is not None  # the real run is the installed torch's
+    flags["--alloc-conf"] = bool(args.alloc_conf)  # a real CUDA run reads PYTORCH_CUDA_ALLOC_CONF from its environment
+    flags["--memory-fraction"] = args.memory_fraction is not None
     if not args.peak:
         flags |= {"--amp": args.amp is not None, "--optimizer-impl": args.optimizer_impl is not None, "--overhead": bool(args.overhead)}
     given = [name for name, on in flags.items() if on]
@@ -591,7 +611,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     return text
 
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]] = {
+_COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str | _Output]] = {
     "analyze": _analyze,
     "measure": _measure,
     "timeline": _timeline,
@@ -600,13 +620,14 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str]]
 }
 
 
-def _run(args: argparse.Namespace) -> str:
+def _run(args: argparse.Namespace) -> _Output:
     progress = _Progress(sys.stderr)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("once", FxmemWarning)  # one note per message, however many analyses run
             warnings.showwarning = _note
-            return _COMMANDS[args.command](args, progress)
+            out = _COMMANDS[args.command](args, progress)
+            return out if isinstance(out, _Output) else _Output(out)
     finally:
         progress.close()
 
@@ -646,10 +667,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         return _error("name a command: analyze, measure, timeline, plan or zoo; see 'fxmem --help'.")
     try:
-        text = _run(args)
+        out = _run(args)
     except FxmemError as e:
         return _error(str(e))
     except KeyboardInterrupt:
         print("fxmem: interrupted (Ctrl-C); nothing was reported.", file=sys.stderr)
         return 130
-    return _write(text)
+    return _write(out.text) or out.status

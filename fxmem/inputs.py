@@ -271,19 +271,35 @@ def parse_dtype(text: str, context: str = "", *, option: str = "") -> torch.dtyp
         raise InputSpecError(f"{where}unknown dtype '{text}'; use one of {', '.join(DTYPES)}.") from None
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
-    """``'80GiB'``, ``'80 GB'``, ``'512MiB'`` or a plain number of bytes -> bytes."""
+def parse_size(text: str | int, what: str = "size", *, allow_zero: bool = False) -> int:
+    """``'80GiB'``, ``'80 GB'`` or ``'512MiB'`` -> bytes; an int is a number of bytes already.
+
+    A string needs its unit: ``--device-memory 80`` once meant 80 bytes, never what was meant (issue 35).
+    Only ``'0'`` may go without one, as 0 is 0 bytes in any unit; ``allow_zero`` accepts it (``--overhead
+    cuda_context=0`` turns a fixed cost off), else a size is at least 1 byte.
+
+    >>> parse_size("1.5GiB"), parse_size("24GB"), parse_size("0", allow_zero=True)
+    (1610612736, 24000000000, 0)
+    """
+    from decimal import Decimal  # exact: float('0.3') * 10**9 truncates to 299,999,999 bytes
+
+    units = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
     if isinstance(text, int) and not isinstance(text, bool):
-        value, unit = float(text), "b"
+        nbytes = text
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
         if not match or match.group(2).lower() not in _SIZE_UNITS | {"": 1}:
             raise InputSpecError(
-                f"{what} '{text}' is not a size: write a positive number with a unit such as 80GiB, 80GB, "
-                f"512MiB or 1024B (units: {', '.join(['B', 'KiB', 'MiB', 'GiB', 'TiB', 'KB', 'MB', 'GB', 'TB'])})."
+                f"{what} '{text}' is not a size: write a positive number with a unit such as 80GiB, 80GB, 512MiB or 1024B (units: {units})."
             )
-        value, unit = float(match.group(1)), (match.group(2).lower() or "b")
-    nbytes = int(value * _SIZE_UNITS[unit])
-    if nbytes < 1:
-        raise InputSpecError(f"{what} '{text}' is {nbytes} bytes; give a positive size such as 80GiB or 24GB.")
+        number, unit = match.group(1), match.group(2).lower()
+        if not unit and Decimal(number) != 0:
+            raise InputSpecError(
+                f"{what} '{text}' has no unit: a bare number would be {number} bytes, which is rarely what is meant. "
+                f"Write {number}GiB or {number}GB (units: {units})."
+            )
+        nbytes = int(Decimal(number) * _SIZE_UNITS[unit or "b"])  # int() truncates: '0.5B' is 0 bytes
+    if nbytes < (0 if allow_zero else 1):
+        least = "0 or more bytes" if allow_zero else "a positive size such as 80GiB or 24GB"
+        raise InputSpecError(f"{what} '{text}' is {nbytes} bytes; give {least}.")
     return nbytes

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxmem.cost.tradeoff import TradeoffRow, batches_to_try, batchnorm_caveat, flop_count, step_estimate
-from fxmem.errors import NotSimulatedError
+from fxmem.errors import InputSpecError, NotSimulatedError
 from fxmem.gpu.gpus import get_gpu
 from fxmem.inputs import InputSpec, check_batch
 from fxmem.output.html_report import to_html
@@ -23,6 +23,9 @@ from fxmem.results import Accounting, EnvelopePiece, LayerRow, NodeRecord, Peak,
 from fxmem.symbolic import ByteExpr
 
 __all__ = ["Report"]
+
+SCAN = 24
+"""Batches replayed one by one on each side of the bisection's answer (Note [The largest batch])."""
 
 _FAR_BATCH = 1 << 16
 """A batch far enough that anything growing with B has outgrown B=1's special cases."""
@@ -67,6 +70,7 @@ class Report:
     graph: Any = field(default=None, compare=False, repr=False)
     """The traced graph module the analysis ran (a pipeline splits its stages from it rather than trace again)."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
+    _verdicts: dict[tuple[int, int], Verdict] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nodes(self) -> tuple[NodeRecord, ...]:
@@ -98,9 +102,18 @@ class Report:
         check_batch(batch)
         return self.accounting.inputs.at(batch, self.seq_len)
 
+    @property
+    def state_per_gpu(self) -> int:
+        """The model state one GPU holds through the step: all of it on one GPU, its share when sharded
+        (the transiently gathered parameters of ZeRO-3 and FSDP left out)."""
+        if self.per_gpu is None or self.setup is None or not self.setup.distributed:
+            return self.state.total
+        return int(self.per_gpu.total - self.per_gpu.gathered.nbytes)
+
     def total_bytes(self, batch: int) -> int:
-        """Model state + activations + the input batch, at ``batch``. Temporaries and the backward peak are not in it."""
-        return self.state.total + self.activation_bytes(batch) + self.input_bytes(batch)
+        """What one GPU holds from forward to backward at ``batch``: its model state (``state_per_gpu``),
+        the saved activations and the input batch. Temporaries and the backward peak are not in it."""
+        return self.state_per_gpu + self.activation_bytes(batch) + self.input_bytes(batch)
 
     def peak(self, batch: int | None = None, *, first_step: bool = False) -> Peak:
         """The training step's peak at ``batch`` (default: the report's): bytes, phase, node, and what is alive.
@@ -129,24 +142,77 @@ class Report:
 
     def step_bytes(self, batch: int) -> int:
         """What the device must hold at ``batch``: for a GPU, nvidia-smi's total for a steady step
-        (allocator blocks, segments, fixed costs); for the CPU the steady step's peak; ``total_bytes``
-        without a simulated step."""
+        (allocator blocks, segments, fixed costs), replayed against ``device_memory``; for the CPU the
+        steady step's peak; ``total_bytes`` without a simulated step."""
         if self.steps is None:
             return self.total_bytes(batch)
-        return int(self.steps.device_bytes(batch))
+        return int(self.steps.device_bytes(batch, self.device_memory))
 
-    def max_batch(self, budget_bytes: int) -> int | None:
-        """The largest batch whose step peak fits in ``budget_bytes``; None if B=1 does not fit or nothing grows with B."""
-        return self.verdict(budget_bytes).max_batch
+    def fits(self, batch: int | None = None, budget_bytes: int | None = None) -> bool:
+        """Whether a steady step at ``batch`` (default the report's) fits in ``budget_bytes`` (default
+        ``device_memory``): on a GPU, where torch's caching allocator would raise no out-of-memory error
+        (it releases its cache and retries first; fxmem/gpu/device.py)."""
+        batch = self.batch if batch is None else batch
+        check_batch(batch)
+        budget = self._budget(budget_bytes)
+        if batch < self.least_batch:  # the step raises there (BatchNorm on one sample): nothing fits
+            return False
+        if self.steps is None:
+            return self.total_bytes(batch) <= budget
+        return bool(self.steps.fits(batch, budget))
 
-    def verdict(self, budget_bytes: int) -> Verdict:
+    def _budget(self, budget_bytes: int | None) -> int:
+        if budget_bytes is not None:
+            return budget_bytes
+        if self.device_memory is None:
+            raise InputSpecError(f"the report of '{self.model}' has no device memory to fit in: pass budget_bytes, or analyze with device_memory=.")
+        return self.device_memory
+
+    def max_batch(self, budget_bytes: int | None = None, *, scan: int = SCAN) -> int | None:
+        """The largest batch whose steady step fits in ``budget_bytes`` (default ``device_memory``); None
+        if B=1 does not fit or nothing grows with B. ``verdict`` says how it was checked."""
+        return self.verdict(budget_bytes, scan=scan).max_batch
+
+    def verdict(self, budget_bytes: int | None = None, *, scan: int = SCAN) -> Verdict:
+        """Which batches fit in ``budget_bytes`` (default ``device_memory``): Note [The largest batch].
+        ``scan`` is how many batches each side of the bisection's answer are replayed one by one (the
+        planner, which compares many configurations, asks for none: its batch fits, the next does not)."""
+        budget = self._budget(budget_bytes)
+        if (budget, scan) not in self._verdicts:
+            self._verdicts[budget, scan] = self._judge(budget, scan)
+        return self._verdicts[budget, scan]
+
+    @property
+    def least_batch(self) -> int:
+        """The smallest batch a training step can run: 2 where it cannot train on one sample
+        (``accounting.batch_one_error``: BatchNorm's "Expected more than 1 value per channel"), else 1."""
+        return 2 if self.accounting.batch_one_error else 1
+
+    def _judge(self, budget: int, scan: int) -> Verdict:
         basis = "total" if self.steps is None else ("device total" if self.steps.device is not None else "peak")
-        floor = self.step_bytes(1)
-        if floor > budget_bytes:
-            return Verdict(budget_bytes, None, floor, basis=basis)
+        exact, least = not self.accounting.unsupported, self.least_batch
+        floor = self.total_bytes(least) if self.steps is None else int(self.steps.device_bytes(least, budget))
+        fits = lambda b: self.fits(b, budget)
+        if not fits(least):
+            return Verdict(budget, None, floor, basis=basis, exact=exact, floor_fits=False, least=least)
         if not self._grows():
-            return Verdict(budget_bytes, None, floor, unbounded=True, basis=basis)
-        return Verdict(budget_bytes, _largest_fitting(self.step_bytes, budget_bytes, self._upper_batch(budget_bytes)), floor, basis=basis)
+            return Verdict(budget, None, floor, unbounded=True, basis=basis, exact=exact, least=least)
+        n, checked, gaps = largest_fitting(fits, scan, least)
+        if self._monotonic():
+            checked = (least, checked[1])
+        return Verdict(budget, n, floor, basis=basis, checked=checked, gaps=gaps, exact=exact, least=least)
+
+    def _monotonic(self) -> bool:
+        """Whether what decides the fit never falls as B grows, so that the largest batch that fits
+        speaks for every smaller one: a CPU target's peak where it is the envelope of lines that do not
+        fall (Note [The largest batch]); never a GPU's replay."""
+        if self.steps is None or self.steps.device is not None:
+            return False
+        symbolic = self.steps.symbolic_timeline()
+        if symbolic is None or any(e.at_batch is not None for e in symbolic.events):  # a kernel that changes with B
+            return False
+        pieces = self.envelope()
+        return bool(pieces) and all(p.per_sample >= 0 for p in pieces) and self.steps.bytes(self.least_batch) <= self.steps.bytes(2)
 
     def _grows(self) -> bool:
         """Whether memory grows with B, judged on the tensors (a GPU's segments hide small growth). Not
@@ -155,13 +221,6 @@ class Report:
         is asked too."""
         measure = self.total_bytes if self.steps is None else self.steps.bytes
         return any(bool(measure(b) > measure(1)) for b in (2, _FAR_BATCH))
-
-    def _upper_batch(self, budget_bytes: int) -> int | None:
-        """On a GPU, the largest batch whose tensors alone fit: the device total (tensors plus rounding,
-        caching and fixed costs) can only fit fewer, so the search for it starts below this bound."""
-        if self.steps is None or self.steps.device is None:
-            return None
-        return _largest_fitting(lambda b: int(self.steps.bytes(b)), budget_bytes)
 
     def flops(self, batch: int | None = None) -> Any:
         """The step's FLOPs at ``batch`` (default: the report's) by phase: a ``fxmem.cost.tradeoff.FlopCount``
@@ -182,9 +241,7 @@ class Report:
             largest = self.max_batch(self.device_memory) if self.device_memory is not None else None
             batches = batches_to_try(largest, self.batch)
         rows = []
-        state = self.state.total
-        if self.setup is not None and self.setup.engine:  # one rank's state, the gathered weights (transient) aside
-            state = self.per_gpu.total - self.per_gpu.gathered.nbytes
+        state = self.state_per_gpu
         for b in batches:
             t = self.step_time(b)
             rows.append(TradeoffRow(b, state, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share))
@@ -234,17 +291,42 @@ class Report:
         return to_html(self, batch)
 
 
-def _largest_fitting(total: Callable[[int], int], budget: int, upper: int | None = None) -> int:
-    """Largest B with total(B) <= budget, for a total that grows with B (exponential then binary
-    search); ``upper``, when known, is a batch no smaller than the answer."""
-    lo, hi = 1, 2
-    if upper is not None:
-        if total(upper) <= budget:
-            return upper
-        hi = max(upper, 2)
-    while upper is None and total(hi) <= budget:
+# Note [The largest batch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# Near the device's limit the total is not monotonic in B: the caching allocator packs blocks into
+# segments differently at each batch (issue 19 saw 85.75 GB at B=137,748, 86.90 GB at 137,749, 85.47 GB
+# at 141,055), a kernel may pick another algorithm, or a cuDNN workspace give way, at one batch and not
+# the next, and far below the limit too a smaller batch can cost more than a larger one (a request under
+# 10 MiB takes a 20 MiB segment, one above it a segment rounded to 2 MiB: get_allocation_size). A
+# bisection alone can then answer a batch below one that fits. So the answer is found in two steps, each
+# batch judged by the same replay as the per-batch verdict (``Report.fits``), so the two never disagree:
+#   1. doubling, then bisection, finds a batch N that fits with N + 1 failing;
+#   2. every batch from N - SCAN to N + SCAN is replayed one by one (from 1, where N - SCAN <= SCAN): a
+#      fitting batch above N moves N up (and the window with it); those below N that fail are ``gaps``.
+# The verdict claims only what was replayed: "every batch up to N fits" where the window reaches B=1,
+# else the range it checked ("every batch from N - SCAN to N fits"). A batch asked about outside the
+# window is replayed itself (``Report.fits``), so the answer for it is exact either way.
+
+def largest_fitting(fits: Callable[[int], bool], scan: int = SCAN, least: int = 1) -> tuple[int, tuple[int, int], tuple[int, ...]]:
+    """The largest B with ``fits(B)``, given ``fits(least)``; the window replayed one by one; and the
+    batches below the answer inside it that do not fit (Note [The largest batch]).
+
+    >>> largest_fitting(lambda b: b <= 40 and b != 37, scan=4)
+    (40, (36, 44), (37,))
+    >>> largest_fitting(lambda b: b <= 9 and b != 3, scan=4)
+    (9, (1, 13), (3,))
+    """
+    lo, hi = least, 2 * least
+    while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid)
-    return lo
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    top, b = lo, lo + 1
+    while b <= top + scan:
+        if fits(b):
+            top = b
+        b += 1
+    first = top - scan if top - scan > scan + least else least
+    gaps = tuple(b for b in range(first, top) if not fits(b))
+    return top, (first, top + scan), gaps

@@ -276,11 +276,24 @@ class DevicePeak:
     total: int
     """What nvidia-smi would show: the reserved peak plus what only the driver holds (the CUDA context)."""
     capacity: int
-    """The GPU's memory as nvidia-smi shows it."""
+    """The device memory the step was replayed against (the GPU's as nvidia-smi shows it, or ``--device-memory``)."""
     overheads: tuple[tuple[str, int, str], ...]
     """The fixed costs as (name, bytes, why); see fxmem/gpu/overheads.py."""
     extra: tuple[tuple[str, int, str], ...] = ()
     """Per-GPU storages beyond the simulated step (master weights, gathered units) as (name, bytes, why)."""
+    fits: bool = True
+    """No allocation ran out of memory when replayed against ``capacity`` (the allocator released its
+    cache and retried first, as torch does; Note [When cudaMalloc fails] in fxmem/gpu/allocator.py)."""
+    oom_node: str = ""
+    """Where it first ran out: the node (and phase) whose allocation failed; "" when it fits."""
+    shrunk: tuple[str, ...] = ()
+    """Nodes whose cuDNN workspace did not fit and whose convolution then runs an engine without one
+    (Note [A workspace that does not fit] in fxmem/gpu/allocator.py)."""
+    alloc_conf: str = "torch defaults"
+    """The allocator's settings the replay followed (``PYTORCH_CUDA_ALLOC_CONF``, memory fraction)."""
+    short: int = 0
+    """How many bytes more the allocator would have needed (its reserved peak, carried on past the
+    failure, over what it could have); 0 when the step fits."""
 
 
 @dataclass(frozen=True)
@@ -456,17 +469,53 @@ class LayerRow:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The answer to "which batch fits in this much memory"."""
+    """The answer to "which batch fits in this much memory" (Note [The largest batch] in fxmem/report.py)."""
 
     budget: int
     max_batch: int | None
-    """None when even B=1 does not fit, or when memory does not grow with B (see ``unbounded``)."""
+    """The largest batch that fits; None when even B=1 does not fit, or when memory does not grow with B
+    (see ``unbounded``)."""
     floor: int
-    """Bytes at B=1: the least any batch size can cost."""
+    """Bytes at the least batch (B=1, or 2 where the model cannot train on one sample): the least any batch costs."""
     unbounded: bool = False
     basis: str = "peak"
-    """'peak': the training step's peak (steady step); 'total': state + activations + inputs, where
-    the report was made without simulating the step."""
+    """'peak': the training step's peak (steady step); 'device total': nvidia-smi's total on the GPU, replayed through
+    its caching allocator against the budget; 'total': state + activations + inputs, where the report
+    was made without simulating the step."""
+    checked: tuple[int, int] | None = None
+    """The batches tried one by one around ``max_batch`` (first, last): every one above ``max_batch``
+    failed, and every one below it fitted except ``gaps``."""
+    gaps: tuple[int, ...] = ()
+    """Batches below ``max_batch`` that do not fit (the total is not monotonic in B near the limit)."""
+    exact: bool = True
+    """False where some saved tensor's size depends on the data and was counted as 0 B: the batch is
+    then what fits if those tensors were empty, not a bound."""
+    floor_fits: bool = True
+    """Whether the least batch fits (False also where ``max_batch`` is None for that reason)."""
+    least: int = 1
+    """The smallest batch a step can run: 2 where the model cannot train on one sample (BatchNorm)."""
+
+    def describe(self) -> str:
+        """The largest batch in words that cannot be misread: "every batch up to 877 fits; 878 does not"."""
+        if self.unbounded:
+            return "fits at any batch: memory does not grow with B"
+        if self.max_batch is None:
+            return "no batch fits: one sample does not" if self.least == 1 else f"no batch fits: B={self.least}, the least the model trains at, does not"
+        n = self.max_batch
+        first, last = self.checked if self.checked is not None else (1, n + 1)
+        if first <= self.least:
+            since = "" if self.least == 1 else f"from {self.least} "
+            gaps = f" (except {_listed(self.gaps)}, which do not)" if self.gaps else ""
+            words = f"every batch {since}up to {n} fits{gaps}; {n + 1} does not"
+        else:
+            gaps = f"; {_listed(self.gaps)} below it do not fit either" if self.gaps else ""
+            words = f"largest batch {n}, {n + 1} does not fit (batches {first} to {last} each replayed{gaps})"
+        return words if self.exact else words + " (if the data-dependent tensors listed below were empty: not a bound)"
+
+
+def _listed(batches: tuple[int, ...]) -> str:
+    shown = ", ".join(str(b) for b in batches[:5])
+    return shown + (f" and {len(batches) - 5} more" if len(batches) > 5 else "")
 
 
 @dataclass(frozen=True)

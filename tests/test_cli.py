@@ -176,7 +176,7 @@ def test_the_training_setup_reaches_the_report(capsys: pytest.CaptureFixture[str
     report = json.loads(run(capsys, *argv))
     assert report["target"] == {
         "target": "cuda", "gpu": "a100-80gb", "amp": "bf16", "precision": "mixed", "world_size": 8, "shard": "zero3", "optimizer_impl": "fused",
-        "torch_version": None,
+        "torch_version": None, "alloc_conf": "", "memory_fraction": None,
     }  # fmt: skip
     device = report["peak"]["steady_step"]["device"]
     assert device["overheads"]["cuda_context"] == 2**30
@@ -198,3 +198,39 @@ def test_measure_peak_of_a_cuda_target_needs_a_gpu(capsys: pytest.CaptureFixture
         pytest.skip("this machine has a GPU")
     assert cli.main(["measure", MLP, "--peak", "--target", "cuda", "--batch", "2"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_device_memory_needs_a_unit(capsys: pytest.CaptureFixture[str]) -> None:
+    # '--device-memory 80' once meant 80 bytes (issue 35); now it is an error that says what to write.
+    assert cli.main(["analyze", MLP, "--device-memory", "80"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("fxmem: error: ") and err.count("\n") == 1, err
+    assert "--device-memory '80' has no unit" in err and "80GiB" in err and "80GB" in err
+
+
+def test_a_described_gpu_reaches_the_report(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = "memory=12GiB,cc=8.6,bandwidth=360GB/s,fp32=12.7,fp16=51"
+    report = json.loads(run(capsys, "analyze", MLP, "--format", "json", "--gpu", gpu))
+    assert report["target"]["gpu"] == gpu
+    assert report["device_memory"] == 12 * 2**30  # the described memory is the default budget, as a named GPU's is
+
+
+def test_a_bad_gpu_description_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["analyze", MLP, "--gpu", "memory=12GiB,cc=8.6,fp32=12.7"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert "lacks bandwidth" in err and "memory, cc, bandwidth and fp32" in err
+
+
+def test_sizes_need_a_unit_except_zero() -> None:
+    # The rule --device-memory, plan --memory and --overhead NAME=SIZE share (fxmem.inputs.parse_size).
+    from fxmem.errors import InputSpecError
+    from fxmem.inputs import parse_size
+
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("24 GB") == 24 * 10**9 and parse_size(512) == 512
+    assert parse_size("0.3GB") == 300_000_000  # exact: 0.3 x 10^9, not 299,999,999
+    assert parse_size("0", "--overhead cuda_context", allow_zero=True) == 0  # 0 needs no unit
+    with pytest.raises(InputSpecError, match="'80' has no unit"):
+        parse_size("80", "--memory")
+    with pytest.raises(InputSpecError, match="'0' is 0 bytes; give a positive size"):
+        parse_size("0", "--memory")

@@ -167,6 +167,8 @@ def test_json_carries_the_target_and_the_gpu_counters() -> None:
         "shard": "none",
         "optimizer_impl": None,
         "torch_version": None,
+        "alloc_conf": "",
+        "memory_fraction": None,
     }
     device = out["peak"]["steady_step"]["device"]
     assert device["max_memory_allocated"] == report.peak().device.allocated  # type: ignore[union-attr]

@@ -76,7 +76,7 @@ CATALOGUE = [
     pytest.param(["--leaf", "functional"], ["--leaf 'functional'", "not an nn.Module class"], id="leaf-not-a-class"),
     pytest.param(["--leaf", "nosuchpkg.mod:Block"], ["--leaf 'nosuchpkg.mod:Block'", "cannot import module 'nosuchpkg.mod'"], id="leaf-missing-module"),
     # The training setup.
-    pytest.param(["--gpu", "h100"], ["unknown GPU 'h100'", "Did you mean 'h100-80gb' or 'h100-pcie'?"], id="gpu-unknown"),
+    pytest.param(["--gpu", "h100"], ["unknown GPU 'h100'", "Did you mean 'h100-80gb' or 'h100-pcie' or 'h100-nvl'?"], id="gpu-unknown"),
     pytest.param(["--target", "cpu", "--shard", "zero3", "--world-size", "8"], ["--shard zero3", "--target cuda"], id="shard-on-cpu"),
     pytest.param(["--overhead", "cuda_context"], ["--overhead 'cuda_context'", "NAME=SIZE"], id="overhead-without-size"),
     pytest.param(["--overhead", "ctx=1GiB"], ["unknown overhead 'ctx'", "cuda_context", "cublas_workspace"], id="overhead-unknown-line"),

@@ -1,5 +1,6 @@
 """fxmem.engine.flops: FLOPs equal torch's FlopCounterMode on every zoo model, symbolic FLOPs are linear in B,
-and bytes moved follow Note [Bytes moved] (hand arithmetic inline)."""
+bytes moved follow Note [Bytes moved], grouped matmuls (mixture-of-experts layers) count by Note [Grouped
+matmuls], and the report says how many op calls have no formula (hand arithmetic inline)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxmem
 import fxmem.engine.flops
+from fxmem.cost.tradeoff import flop_count
 from fxmem.engine.capture import fake_batch
-from fxmem.engine.flops import IGNORED, IGNORED_REASONS, FlopTally, is_view_like, op_cost
+from fxmem.engine.flops import EXTRA_FORMULAS, IGNORED, IGNORED_REASONS, FlopTally, is_view_like, op_cost
+from fxmem.errors import DuplicateRuleError
 from fxmem.engine.losses import get_loss
 from fxmem.inputs import make_tensor, parse_inputs
 from models_zoo import ZOO
@@ -155,3 +158,131 @@ def test_every_ignored_op_has_a_reason() -> None:
     assert frozenset(IGNORED_REASONS) == IGNORED
     assert all(reason.strip() for reason in IGNORED_REASONS.values())
     assert not IGNORED & set(torch.utils.flop_counter.flop_registry)
+    assert not {str(p) for p in IGNORED} & set(EXTRA_FORMULAS.keys())
+
+
+# --- grouped matmuls (mixture of experts) -----------------------------------------------------------------
+
+
+def test_torch_lacks_the_extra_formulas_and_a_duplicate_is_refused() -> None:
+    # When torch gains a formula for one of these ops, torch's wins (fxmem.engine.flops._formula) and this
+    # test says ours can go.
+    assert {str(p) for p in torch.utils.flop_counter.flop_registry} & set(EXTRA_FORMULAS.keys()) == set()
+    with pytest.raises(DuplicateRuleError):
+        EXTRA_FORMULAS.register("aten._grouped_mm")(lambda *a, **k: 0)
+
+
+# x [16, 8] (16 routed rows, K = 8) grouped over 3 experts' [8, 16] weights (N = 16), in groups of 3, 4 and 9
+# rows (offs = [3, 7, 16]) or of 0, 0 and 16 rows: either way 2 * M * K * N = 2 * 16 * 8 * 16 = 4096 FLOPs,
+# since 2*8*16*(3 + 4 + 9) = 2*8*16*(0 + 0 + 16). Sizes are multiples of 16 bytes, as the CPU kernel requires.
+_ROUTINGS = [[3, 7, 16], [0, 0, 16]]
+
+
+@pytest.mark.parametrize("ends", _ROUTINGS)
+def test_grouped_mm_costs_2_m_k_n_whatever_the_routing(ends: list[int]) -> None:
+    x, w, offs = torch.randn(16, 8), torch.randn(3, 8, 16), torch.tensor(ends, dtype=torch.int32)
+    cost = _cost(aten._grouped_mm.default, x, w, offs)
+    assert (cost.flops, cost.has_formula) == (4096, True)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "ends", "flops"),
+    [
+        # 3D x 3D, no offs: 3 products [16, 8] @ [8, 16]: 3 * 2*16*8*16 = 12288.
+        ((3, 16, 8), (3, 8, 16), None, 12288),
+        # 3D x 2D, the groups split N = 48 in thirds: 3 products [16, 8] @ [8, 16] = 2 * 16 * 8 * 48 = 12288.
+        ((3, 16, 8), (8, 48), [16, 32, 48], 12288),
+        # 2D x 2D, the groups split the contraction K = 48: 3 products [16, 16] @ [16, 16] = 2 * 16 * 48 * 16 = 24576.
+        ((16, 48), (48, 16), [16, 32, 48], 24576),
+    ],
+)
+def test_grouped_mm_other_layouts(a: tuple[int, ...], b: tuple[int, ...], ends: list[int] | None, flops: int) -> None:
+    args = [torch.randn(a), torch.randn(b)] + ([torch.tensor(ends, dtype=torch.int32)] if ends else [])
+    assert _cost(aten._grouped_mm.default, *args).flops == flops
+
+
+@pytest.mark.parametrize("ends", _ROUTINGS)
+def test_grouped_mm_step_equals_flop_counter_mode_on_its_loop_of_mms(ends: list[int]) -> None:
+    # Forward 4096 (above). Backward, by autograd's own _grouped_mm calls: dx = dy [16, 16] grouped over
+    # w^T [3, 16, 8] (2 * 16 * 16 * 8 = 4096) and dw = x^T [8, 16] @ dy [16, 16] with the groups splitting
+    # the 16 rows, the contraction (2 * 8 * 16 * 16 = 4096): 8192. FlopCounterMode on the same product
+    # written as one mm per group is the independent count.
+    x = torch.randn(16, 8, requires_grad=True)
+    w = torch.randn(3, 8, 16, requires_grad=True)
+    offs = torch.tensor(ends, dtype=torch.int32)
+    with FlopTally() as fwd:
+        out = torch._grouped_mm(x, w, offs=offs)
+    dy = torch.randn_like(out)
+    with FlopTally() as bwd:
+        out.backward(dy)
+    starts = [0, *ends[:-1]]
+    with FlopCounterMode(display=False) as loop_fwd:
+        loop = torch.cat([x[a:b] @ w[g] for g, (a, b) in enumerate(zip(starts, ends))])
+    with FlopCounterMode(display=False) as loop_bwd:
+        loop.backward(dy)
+    assert (fwd.total_flops, bwd.total_flops) == (4096, 8192)
+    assert (fwd.total_flops, bwd.total_flops) == (loop_fwd.get_total_flops(), loop_bwd.get_total_flops())
+    assert not fwd.missing and not bwd.missing
+
+
+def test_transformers_grouped_mm_fallback_and_its_backward() -> None:
+    pytest.importorskip("transformers.integrations.moe", reason="transformers registers the custom ops")
+    fallback = torch.ops.transformers
+    x, w, offs = torch.randn(16, 8), torch.randn(3, 8, 16), torch.tensor([3, 7, 16], dtype=torch.int32)
+    forward = _cost(fallback.grouped_mm_fallback.default, x, w, offs)
+    # The same product as above: 4096. Its backward op computes dx = dy @ w^T and dw = x^T @ dy per
+    # group: 2 * 4096 = 8192.
+    backward = _cost(fallback.grouped_mm_fallback_backward.default, x, w, offs, torch.randn(16, 16))
+    assert (forward.flops, backward.flops, forward.has_formula, backward.has_formula) == (4096, 8192, True, True)
+
+
+def _tiny_mixtral() -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="Hugging Face models need the transformers package")
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        experts_implementation="grouped_mm",
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(config)
+    assert model.config._experts_implementation == "grouped_mm"
+    return model
+
+
+def test_mixtral_forward_flops_include_the_experts() -> None:
+    # A 1-layer Mixtral, hidden H = 16, expert intermediate I = 32, 2 heads of 8 with 1 key/value head,
+    # 4 experts of which top_k = 2 per token, vocabulary 64, S = 8 tokens a sample. Per token (2 * in * out
+    # a linear): q 2*16*16 = 512, k and v 2*16*8 = 256 each, o 512, router 2*16*4 = 128, lm_head
+    # 2*16*64 = 2048: 3712 dense. Experts: each of top_k = 2 rows costs gate_up 2*16*(2*32) = 2048 and down
+    # 2*32*16 = 1024, so 2 * 3072 = 6144 (= top_k * 2 * 3 * H * I, a SwiGLU expert's three matrices).
+    # Attention: fp32 with grouped-query heads on the H100 target takes SDPA's math path (flash and
+    # cuDNN need half precision, memory-efficient takes no GQA: fxmem/rules/sdpa.py), two bmms a head,
+    # QK^T and PV, each 2 * S * S * 8 = 1024: 2 heads * 2048 = 4096 a sample.
+    # Forward per sample: 8 * (3712 + 6144) + 4096 = 82944. Backward: every one of these products is a
+    # matmul whose backward runs two of the same size (the embedding is trained, so even q, k and v
+    # need their input's gradient): 2 * 82944.
+    report = fxmem.analyze(_tiny_mixtral(), {"input_ids": "B,8:int64", "labels": "B,8:int64"}, loss="auto")
+    for batch in (1, 3):
+        timeline = report.timeline(batch)
+        flops = flop_count(timeline, batch)
+        experts = sum(c.flops.at(batch) for c in timeline.costs if c.op == "transformers.grouped_mm_fallback")
+        assert experts == batch * 8 * 6144
+        assert (flops.forward, flops.backward) == (batch * 82944, batch * 2 * 82944)
+        assert not {op for op, _ in flops.missing} & set(EXTRA_FORMULAS.keys())
+
+
+# --- the report's count of op calls without a formula --------------------------------------------------------
+
+
+def test_the_flops_line_counts_op_calls_without_a_formula() -> None:
+    # Linear(8, 4) then ReLU, loss sum, SGD. Calls without a FLOP formula: forward relu (1); loss sum (1);
+    # backward threshold_backward (relu's gradient, 1), sum (the bias gradient, dy summed over the batch,
+    # 1), while ones_like (the loss's gradient) creates a tensor (IGNORED), the weight gradient is an mm
+    # (a formula) and the input needs no gradient; SGD's step is one _foreach_add_ over both parameters
+    # (1). 5 calls of 4 kinds; sum, with 2, first.
+    torch.manual_seed(0)
+    report = fxmem.analyze(nn.Sequential(nn.Linear(8, 4), nn.ReLU()), ["B,8"], loss="sum", optimizer="sgd")
+    flops = report.flops(32)
+    assert (flops.missing_calls, len(flops.missing)) == (5, 4)
+    (line,) = [line for line in str(report).splitlines() if line.startswith("FLOPs at")]
+    assert line.endswith("; 5 op calls (4 kinds) have no FLOP formula, counted for bytes only: sum, relu, threshold_backward, _foreach_add_")

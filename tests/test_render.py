@@ -122,9 +122,14 @@ def test_marked_rows_hold_at_least_half_of_the_bytes() -> None:
 def test_the_answer_comes_before_the_layers() -> None:
     text = str(_small())
     table = text.index("\nLayer ")
-    for line in ("Peak at B=64 (steady step)", "Floor at B=1", "Device 1 GiB", "State : activations"):
+    for line in ("Peak at B=64 (steady step)", "Floor at B=1", "State : activations"):
         assert text.index(line) < table
     assert text.index("Model state") > table
+    # The verdict is the first line under the title, in words: the batch, fits, the bytes of the budget,
+    # and the largest batch (Note [The answer first]).
+    first = next(line for line in text.splitlines()[1:] if line and not line.startswith("target:"))
+    assert first.startswith("Verdict at B=64") and "B=64 fits: " in first and "of 1 GiB" in first
+    assert ("every batch up to" in first or "largest batch" in first) and " does not" in first
 
 
 class _Tags(HTMLParser):
@@ -171,3 +176,25 @@ def test_repr_markdown_is_a_markdown_table() -> None:
     assert [line.split("|")[1].strip() for line in body[:-1]] == [r.fqn for r in report.layers()]
     assert "cross\\_entropy" in md  # markdown's emphasis characters are escaped
     assert sorted(SIZE.findall(" ".join(md.split()))) == sorted(SIZE.findall(" ".join(str(report).split())))
+
+
+def _estimated_peak(upper: int) -> fxmem.results.Peak:
+    """A peak of 22,440,000,000 B (22.44e9 / 2^30 = 20.899 GiB, printed 20.9 GiB) holding one estimated
+    cuDNN workspace of 1 MiB, and the step's peak ``upper`` with every such workspace at its bound."""
+    from fxmem.results import Category, EstimatedBytes, Peak, Phase
+
+    x = EstimatedBytes("cuDNN convolution workspace", "conv3d_12", "decs.2.0", "aten.convolution_backward", 2**20, 2**20 + 3 * 1024)
+    return Peak(8, 22_440_000_000, False, Phase.BACKWARD, "conv3d_12", "decs.2.0", "aten.convolution_backward",
+                {Category.TEMPORARY: 22_440_000_000}, estimated=(x,), upper=upper)  # fmt: skip
+
+
+def test_an_estimate_that_rounds_alike_says_by_how_much_it_differs() -> None:
+    # Issue 35: 3 KiB more on 20.9 GiB printed "would be 20.9 GiB, not 20.9 GiB". The bound is 3,072 B
+    # above the peak, which both print as 20.9 GiB, so the line gives the difference instead.
+    (line,) = fxmem.output.render._estimate_lines(_estimated_peak(22_440_000_000 + 3 * 1024))
+    assert line[2].endswith("with every such workspace at its bound the step's peak would be 3 KiB higher (3,072 B), still 20.9 GiB")
+    # 1 GiB more prints apart: 23,513,741,824 B / 2^30 = 21.899, printed 21.9 GiB.
+    (line,) = fxmem.output.render._estimate_lines(_estimated_peak(22_440_000_000 + 2**30))
+    assert line[2].endswith("would be 21.9 GiB, not 20.9 GiB")
+    (line,) = fxmem.output.render._estimate_lines(_estimated_peak(22_440_000_000))  # the workspace already at its bound
+    assert line[2].endswith("would be the same 20.9 GiB")

@@ -7,12 +7,15 @@ import doctest
 
 import pytest
 import torch
+from torch import nn
 
 import fxmem.cost.roofline
 from fxmem.cost.roofline import Bound, op_time, step_time
+from fxmem.cost.tradeoff import NodeCost, memory_bound, node_costs
 from fxmem.errors import InputSpecError
 from fxmem.gpu.gpus import get_gpu
 from fxmem.results import Phase
+from tests.helpers import analyze_on_meta
 
 A100 = get_gpu("a100-80gb")
 
@@ -86,3 +89,60 @@ def test_step_time_sums_phases_in_order() -> None:
 def test_step_time_rejects_an_unknown_phase() -> None:
     with pytest.raises(InputSpecError, match="unknown phase 'warmup'"):
         step_time([("warmup", torch.float32, 1, 1)], A100)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class _ShapeFirst(nn.Module):
+    """Reads its input's shape before any layer: torch.export makes that a ``sym_size_int`` node."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        x = self.emb(idx).view(b, t, 32)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_the_memory_bound_list_names_layers_not_shape_queries() -> None:
+    # Issue 35. Exported with B symbolic, the graph's first node after the inputs is sym_size_int_1.
+    # Under FSDP2 (2 ranks) the root unit's pre-forward all-gather runs there and is charged to it:
+    # emb and head, 64*32 + 32*64 + 64 floats = 16,640 B gathered, the most bandwidth-bound time of
+    # any node. The list names layers, so it leaves the shape query out, and each module path once.
+    report = analyze_on_meta(_ShapeFirst, ["B,16:int64"], batch=4, frontend="export", fsdp=2)
+    nodes = node_costs(report.timeline(4), 4, report.gpu)
+    (query,) = [n for n in nodes if n.node.startswith("sym_size_int")]
+    assert query.moved_bytes > 0 and query.memory_bound_seconds == max(n.memory_bound_seconds for n in nodes)
+    listed = memory_bound(nodes, top=len(nodes))
+    names = [n.fqn or n.node for n in listed]
+    assert query not in listed and all(n.moved_bytes > 0 for n in listed) and len(names) == len(set(names))
+    (line,) = [line for line in str(report).splitlines() if "most memory-bound:" in line]
+    assert line.endswith("most memory-bound: blocks.0.fc, blocks.1.fc, head")
+
+
+def test_the_memory_bound_list_by_hand() -> None:
+    # Memory-bound seconds 5 > 4 > 3 > 2 > 1 > 0: the shape queries (export's, fx's) and the node that
+    # moves nothing are left out; blocks.0's second node repeats a listed module path.
+    nodes = [
+        NodeCost("sym_size_int_2", "", 0, 100, 5.0, 5.0),
+        NodeCost("getattr_1", "", 0, 100, 4.5, 4.5),
+        NodeCost("mul", "blocks.0", 0, 80, 4.0, 4.0),
+        NodeCost("tanh", "blocks.0", 0, 60, 3.0, 3.0),
+        NodeCost("linear", "head", 10, 40, 2.0, 2.0),
+        NodeCost("cross_entropy_loss", "", 0, 20, 1.0, 1.0),
+        NodeCost("empty", "pool", 0, 0, 0.0, 0.0),
+    ]
+    assert [n.node for n in memory_bound(nodes, top=3)] == ["mul", "linear", "cross_entropy_loss"]

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from fxmem.errors import InputSpecError
+from fxmem.results import Category
 from fxmem.rules.optimizers import OPTIMIZERS
 from fxmem.step.state import get_optimizer, state_bytes
 
@@ -137,3 +138,64 @@ def test_docstring_examples() -> None:
     for module in (fxmem.step.precision, fxmem.step.state):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0
+
+
+def _mixed_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 2))
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_the_peak_holds_the_mixed_recipes_master_copy_and_fp32_state(target: str) -> None:
+    # Issue 35. Linear(64, 32) -> ReLU -> Linear(32, 2): P = 64*32 + 32 + 32*2 + 2 = 2,146 parameters.
+    # Under mixed with SGD momentum the step runs as after model.to(bfloat16): weights 2P = 4,292 B,
+    # gradients 2P = 4,292 B, and a bf16 momentum buffer of 2P. One GPU holds an fp32 master copy
+    # (4P = 8,584 B) besides, and the momentum in fp32 (4P = 8,584 B). Both peaks (the steady step's in
+    # backward, the first step's at the last parameter's update) hold every gradient and every
+    # momentum buffer: state 2P + 2P + 4P + 4P = 12P = 25,752 B, the master copy counted as optimizer
+    # state (ZeRO, section 3.1).
+    import fxmem
+
+    P = 64 * 32 + 32 + 32 * 2 + 2
+    mixed = fxmem.analyze(_mixed_mlp(), ["B,64"], precision="mixed", optimizer="sgd-momentum", batch=4, target=target)
+    bf16 = fxmem.analyze(_mixed_mlp(), ["B,64"], precision="bf16", optimizer="sgd-momentum", batch=4, target=target)
+    for first in (False, True):
+        p, same_step = mixed.peak(4, first_step=first), bf16.peak(4, first_step=first)
+        assert (p.breakdown[Category.PARAMETER], p.breakdown[Category.GRADIENT]) == (2 * P, 2 * P)
+        assert p.breakdown[Category.OPTIMIZER_STATE] == 4 * P + 4 * P
+        assert p.state == 12 * P == 25_752
+        # pure bf16 runs the same step with a 2P momentum: mixed adds 4P of master and 2P of momentum.
+        assert (p.bytes - same_step.bytes, p.event, p.phase) == (6 * P, same_step.event, same_step.phase)
+    assert "state 25.1 KiB" in str(mixed)  # 25,752 / 1024 = 25.15
+    if target == "cuda":  # the replay scales the same categories by the same ratios
+        assert (mixed.steps.device.scale, mixed.steps.device.extra) == (mixed.steps.held.scale, mixed.steps.held.extra)
+
+
+def test_hold_state_scales_state_and_adds_the_extras_by_hand() -> None:
+    # Baseline: 1,000 B of weights, 2,000 B of optimizer state. Then a 1,000 B gradient in backward and
+    # a 1,000 B scratch tensor in the optimizer step. Held as ZeRO-3 over 3 GPUs with a 2x state recipe
+    # would: weights and gradients 1/3 (ceil(1000/3) = 334 B each, as the replay rounds), optimizer
+    # state and the optimizer's scratch 2x (4,000 and 2,000 B), and a 4,000 B master copy from the start.
+    # Peak after the scratch: 334 + 4,000 + 4,000 + 334 + 2,000 = 10,668 B.
+    from fractions import Fraction
+
+    from fxmem.results import MemoryEvent, Phase, Timeline
+    from fxmem.step.peak import StepPeaks
+    from fxmem.step.state import HeldState, hold_state
+    from fxmem.symbolic import ByteExpr
+
+    def event(storage: int, nbytes: int, category: Category, phase: Phase) -> MemoryEvent:
+        return MemoryEvent(phase, True, ByteExpr(fixed=nbytes), category, "n", "", "aten.empty", storage)
+
+    storages = ((Category.PARAMETER, ByteExpr(fixed=1000)), (Category.OPTIMIZER_STATE, ByteExpr(fixed=2000)))
+    baseline = {Category.PARAMETER: ByteExpr(fixed=1000), Category.OPTIMIZER_STATE: ByteExpr(fixed=2000)}
+    events = (event(0, 1000, Category.GRADIENT, Phase.BACKWARD), event(1, 1000, Category.TEMPORARY, Phase.OPTIMIZER))
+    timeline = Timeline(4, False, baseline, events, storages)
+    third, two = Fraction(1, 3), Fraction(2)
+    scale = {Category.PARAMETER: third, Category.GRADIENT: third, Category.OPTIMIZER_STATE: two}
+    held = HeldState(scale, (("master weights", 4000, "fp32"),))
+    p = StepPeaks(timeline, {}, held=held).peak(4)
+    assert p.bytes == 10_668 and p.event == 1
+    assert p.breakdown == {Category.PARAMETER: 334, Category.GRADIENT: 334, Category.OPTIMIZER_STATE: 8000, Category.TEMPORARY: 2000}
+    assert hold_state(timeline, HeldState({Category.OPTIMIZER_STATE: Fraction(1)})) is timeline  # nothing held beyond: unchanged
+    assert StepPeaks(timeline, {}).peak(4).bytes == 1000 + 2000 + 1000 + 1000

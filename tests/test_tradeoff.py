@@ -66,6 +66,8 @@ def test_batches_to_try_are_powers_of_two_and_the_largest() -> None:
     assert batches_to_try(100, 32) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert batches_to_try(64, 32) == [1, 2, 4, 8, 16, 32, 64]
     assert batches_to_try(None, 8) == [1, 2, 4, 8, 16]
+    # A chosen batch past the largest that fits gets a row of its own (which says it does not fit).
+    assert batches_to_try(100, 129) == [1, 2, 4, 8, 16, 32, 64, 100, 129]
 
 
 def test_tradeoff_rows_follow_the_report() -> None:

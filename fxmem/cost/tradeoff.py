@@ -24,6 +24,7 @@ defaults: convolution ops get the TF32 rate, every other fp32 op the FP32 one.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -74,11 +75,17 @@ class FlopCount:
     backward: int
     optimizer: int
     missing: tuple[tuple[str, int], ...]
-    """(op, calls) for ops without a FLOP formula (elementwise ops, norms): counted for bytes only."""
+    """(op, calls) for ops without a FLOP formula (elementwise ops, norms): counted for bytes only,
+    most calls first."""
 
     @property
     def total(self) -> int:
         return self.forward + self.backward + self.optimizer
+
+    @property
+    def missing_calls(self) -> int:
+        """How many op calls of the step have no FLOP formula: their FLOPs, uncounted, are not in ``total``."""
+        return sum(calls for _, calls in self.missing)
 
 
 def flop_count(timeline: Timeline, batch: int, seq: int | None = None) -> FlopCount:
@@ -174,10 +181,32 @@ def node_costs(timeline: Timeline, batch: int, gpu: GpuSpec, seq: int | None = N
     return tuple(NodeCost(node, fqn, int(f), int(b), s, m) for (node, fqn), (f, b, s, m) in total.items())
 
 
+# Note [What the memory-bound list names]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The list points at layers a user can change, so it names a node by its module path where it has
+# one, each path once (a GELU written as five elementwise nodes is one layer), and it leaves out two
+# kinds of node. A node that moves nothing costs no bandwidth. A shape query (torch.export's
+# ``sym_size_int_2``, ``aten.sym_size.int``; fx's ``size``, ``getattr`` for ``x.shape``) makes no
+# tensor and is no layer, yet it can be charged bytes: the step charges an op to the node running
+# when it happens, and FSDP2's pre-forward all-gather of the root's parameters runs right after the
+# inputs, where an exported Hugging Face model runs its first shape query (an 8-layer Llama, hidden
+# 64, fsdp=2 on the cpu target: 469,376 bytes moved at ``sym_size_int_2``). Such nodes are known by
+# the names both frontends give them: a graph node is named after its target.
+
+_SHAPE_QUERY = re.compile(r"(sym_(size_int|stride_int|numel_default|storage_offset_default)|size|dim|numel|getattr)(_\d+)?")
+"""Node names of shape queries: torch.export's (``aten.sym_size.int`` -> ``sym_size_int_2``) and fx's
+(``x.size(0)`` -> ``size``, ``x.shape`` -> ``getattr_1``). See Note [What the memory-bound list names]."""
+
+
 def memory_bound(nodes: Iterable[NodeCost], top: int = 5) -> tuple[NodeCost, ...]:
-    """Of ``node_costs``, the ``top`` nodes that spend most estimated time bound by memory bandwidth."""
-    bound = [n for n in nodes if n.memory_bound_seconds > 0]
-    return tuple(sorted(bound, key=lambda n: n.memory_bound_seconds, reverse=True)[:top])
+    """Of ``node_costs``, the ``top`` nodes that spend most estimated time bound by memory bandwidth,
+    one per module path; shape queries and nodes that move nothing left out (Note [What the
+    memory-bound list names])."""
+    bound = [n for n in nodes if n.memory_bound_seconds > 0 and n.moved_bytes > 0 and not _SHAPE_QUERY.fullmatch(n.node)]
+    first: dict[str, NodeCost] = {}
+    for n in sorted(bound, key=lambda n: n.memory_bound_seconds, reverse=True):
+        first.setdefault(n.fqn or n.node, n)
+    return tuple(first.values())[:top]
 
 
 @dataclass(frozen=True)
@@ -199,11 +228,12 @@ class TradeoffRow:
 
 
 def batches_to_try(largest: int | None, chosen: int) -> list[int]:
-    """Powers of two from 1 up to ``largest`` (the largest batch that fits) and ``largest`` itself;
-    without one, powers of two up to twice the chosen batch."""
+    """Powers of two from 1 up to ``largest`` (the largest batch that fits) and ``largest`` itself, and
+    the chosen batch where it is larger (its row then says it does not fit); without a largest batch,
+    powers of two up to twice the chosen batch."""
     top = largest if largest is not None else max(2 * chosen, 2)
     batches = [1 << k for k in range(top.bit_length()) if 1 << k <= top]
-    return sorted({*batches, top})
+    return sorted({*batches, top, *([chosen] if largest is not None and chosen > largest else [])})
 
 
 def batchnorm_layers(model: nn.Module) -> tuple[str, ...]:

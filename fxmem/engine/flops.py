@@ -2,8 +2,10 @@
 
 The FLOPs come from ``torch.utils.flop_counter.flop_registry`` (matmuls, convolutions, attention),
 called the way ``FlopCounterMode`` calls them, so a run under ``FlopTally`` totals exactly what
-``FlopCounterMode`` totals. Because the formulas are pure functions of shapes, they work unchanged on
-SymInt sizes: under ``FakeTensorMode`` with a ShapeEnv the count is a SymInt in the batch symbol.
+``FlopCounterMode`` totals, plus the few formulas torch lacks (``EXTRA_FORMULAS``: the grouped matmuls
+of mixture-of-experts layers, Note [Grouped matmuls]). Because the formulas are pure functions of
+shapes, they work unchanged on SymInt sizes: under ``FakeTensorMode`` with a ShapeEnv the count is a
+SymInt in the batch symbol.
 
 Every op lands in one of three states (fvcore's ``jit_handles.py``): it has a formula; it is in
 ``IGNORED`` because it does no arithmetic (a view, a copy, a fill), with the reason written down; or it
@@ -29,6 +31,31 @@ the output shape as ``out_shape``. ``FlopCounterMode._count_flops`` therefore ca
 op has a CompositeImplicitAutograd kernel) and counts the pieces instead; ``FlopTally`` does the same,
 so the two totals agree exactly.
 
+Note [Grouped matmuls]
+~~~~~~~~~~~~~~~~~~~~~~
+A mixture-of-experts layer sends each of T tokens to top_k of E experts. transformers 5's "grouped_mm"
+experts (transformers/integrations/moe.py, ``grouped_mm_experts_forward``) sort the T * top_k
+(token, expert) rows by expert, so that they fall into E contiguous groups of an [M, K] matrix
+(M = T * top_k), and multiply group g by expert g's [K, N] weight in one call: ``aten._grouped_mm(x, w,
+offs)``, torch's grouped GEMM (``offs[g]`` is the row where group g ends), or, where that kernel cannot
+run (traced or exported with weights not in bf16, among others: ``_can_use_grouped_mm``), transformers'
+custom op ``transformers.grouped_mm_fallback``, a loop of ``mm``s whose backward is the custom op
+``transformers.grouped_mm_fallback_backward``. torch 2.13's ``flop_registry`` has a formula for none
+of them, so without ours the experts, most of an MoE model's FLOPs, would count zero.
+
+Group g costs ``2 * m_g * K * N`` for its ``m_g`` rows. The groups partition the rows (sum of m_g =
+M), so the call costs ``2 * M * K * N`` whatever the routing: the count is exact although ``offs``
+(data, unknown on fake tensors) is not, since only its total matters and that total is M, a shape.
+Autograd's ``_grouped_mm`` backward (derivatives.yaml: ``_grouped_mm_mat1_backward`` and
+``_mat2_backward``) calls ``_grouped_mm`` again; the weight gradient ``x^T @ dy`` is a 2D x 2D call
+whose groups split the contraction dimension M (output [G, K, N]), again ``2 * M * K * N`` in all. So
+every layout ``_grouped_mm`` takes costs 2 * (output elements) * (contraction size), but for 2D x 2D,
+whose G outputs are partial products of one matrix over slices of the contraction: 2 * M * N * K
+(``_grouped_mm_flop``). The fallback's backward computes ``dx = dy @ w^T`` and ``dw = x^T @ dy``, two
+such products. Rows past ``offs[-1]`` are skipped by the kernel; transformers leaves rows there only
+for expert parallelism's sentinel tokens (moe.py: "grouped_mm skips rows beyond ``offsets[-1]``"),
+where the count is then an upper bound. Like torch's ``addmm`` formula, a bias adds no FLOPs.
+
 Note [Bytes moved]
 ~~~~~~~~~~~~~~~~~~
 ``read_bytes`` sums the tensor arguments and ``written_bytes`` the tensor outputs, each distinct tensor
@@ -43,8 +70,9 @@ upper bound on what a fused kernel moves.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from math import prod
 from types import MappingProxyType
 from typing import Any
 
@@ -54,22 +82,58 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-__all__ = ["IGNORED", "IGNORED_REASONS", "FlopTally", "OpCost", "is_view_like", "op_cost"]
+from fxmem.rules import Ignored, Missing, Registry
+
+__all__ = ["EXTRA_FORMULAS", "IGNORED", "IGNORED_REASONS", "FlopTally", "OpCost", "is_view_like", "op_cost"]
 
 aten = torch.ops.aten
 
 Count = int | torch.SymInt
 """A FLOP or byte count: an int on real or static tensors, a SymInt when a size is symbolic."""
 
+Shape = tuple[Count, ...]
+
+EXTRA_FORMULAS: Registry[str, Callable[..., Count]] = Registry("FLOP formula")
+"""Formulas torch's ``flop_registry`` lacks, keyed by op name (``"aten._grouped_mm"``): a custom op
+such as transformers' exists only once its library is imported, so its packet cannot be the key.
+Each is wrapped by torch's ``shape_wrapper`` and so called exactly as torch's own formulas are (Note
+[Calling the flop formulas]); torch's formula wins where it has one."""
+
+
+def _register(*names: str) -> Callable[[Callable[..., Count]], Callable[..., Count]]:
+    def register(formula: Callable[..., Count]) -> Callable[..., Count]:
+        EXTRA_FORMULAS.register(*names)(shape_wrapper(formula))
+        return formula
+
+    return register
+
+
+@_register("aten._grouped_mm", "transformers.grouped_mm_fallback")
+def _grouped_mm_flop(a_shape: Shape, b_shape: Shape, *args: Any, out_shape: Shape, **kwargs: Any) -> Count:
+    """2 * M * K * N for ``a`` [M, K] grouped over ``b`` [G, K, N] (the MoE layout), whatever ``offs``
+    says; see Note [Grouped matmuls]. A 2D x 2D call splits the contraction instead: its output [G, M, N]
+    holds G partial products of one [M, N], so one group's output size counts, times the whole K."""
+    k = a_shape[-1]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * out_shape[-2] * out_shape[-1] * k
+    return 2 * prod(out_shape) * k
+
+
+@_register("transformers.grouped_mm_fallback_backward")
+def _grouped_mm_fallback_backward_flop(x_shape: Shape, w_shape: Shape, offs_shape: Shape, dy_shape: Shape, **kwargs: Any) -> Count:
+    """``dx = dy @ w^T`` and ``dw = x^T @ dy`` per group, each 2 * M * K * N in all (Note [Grouped matmuls])."""
+    m, k = x_shape
+    return 2 * (2 * m * k * w_shape[-1])
+
 
 @dataclass(frozen=True)
 class OpCost:
     """What one op costs: FLOPs by torch's formula and the bytes it reads and writes.
 
-    ``has_formula`` is False where torch has no formula for the op; ``flops`` is then 0 and the caller
-    lists the op rather than trusting the zero.
+    ``has_formula`` is False where neither torch nor ``EXTRA_FORMULAS`` has a formula for the op;
+    ``flops`` is then 0 and the caller lists the op rather than trusting the zero.
     """
 
     flops: Count
@@ -146,12 +210,21 @@ def op_cost(func: OpOverload, args: tuple[Any, ...], kwargs: Mapping[str, Any], 
     packet = func.overloadpacket
     if packet in _METADATA:
         return None
-    formula = flop_registry.get(packet)
+    formula = _formula(packet)
     flops: Count = formula(*args, **kwargs, out_val=out) if formula is not None else 0
     if is_view_like(func):
         return OpCost(flops, 0, 0, formula is not None)
     read = _unique_nbytes(tree_leaves((args, dict(kwargs))))
     return OpCost(flops, read, _unique_nbytes(tree_leaves(out)), formula is not None)
+
+
+def _formula(packet: OpOverloadPacket) -> Callable[..., Count] | None:
+    """torch's formula for ``packet``, else ours (``EXTRA_FORMULAS``), else None."""
+    formula: Callable[..., Count] | None = flop_registry.get(packet)
+    if formula is not None:
+        return formula
+    found = EXTRA_FORMULAS.lookup(str(packet))
+    return None if isinstance(found, (Ignored, Missing)) else found
 
 
 def _unique_nbytes(leaves: Iterable[Any]) -> Count:
@@ -227,7 +300,8 @@ class FlopTally(TorchDispatchMode):
 
     @property
     def total_flops(self) -> Count:
-        """The FLOPs of every recorded op: equal to ``FlopCounterMode.get_total_flops()`` for the same run."""
+        """The FLOPs of every recorded op: ``FlopCounterMode.get_total_flops()`` for the same run, plus
+        the ops only ``EXTRA_FORMULAS`` has a formula for."""
         return sum((cost.flops for _, cost in self.records), start=0)
 
     def __torch_dispatch__(self, func: OpOverload, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:

@@ -2,10 +2,11 @@
 
 The simulated step yields storages being allocated and freed. On a GPU each of them goes through
 ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator::malloc`` and ``free``), which rounds
-the request, carves it out of a cached segment or ``cudaMalloc``s a new one, and never gives segments
-back unless asked. ``replay`` runs those rules for one stream with the default settings (no
-``expandable_segments``, no ``max_split_size_mb``, no garbage collection, no ``empty_cache``) and
-returns what ``torch.cuda.max_memory_allocated()`` and ``max_memory_reserved()`` would report.
+the request, carves it out of a cached segment or ``cudaMalloc``s a new one, and gives segments back
+only when memory runs out (or ``empty_cache``). ``replay`` runs those rules for one stream, with the
+settings of ``PYTORCH_CUDA_ALLOC_CONF`` that change memory (``fxmem/gpu/alloc_conf.py``: torch's
+defaults unless asked; expandable segments are fxmem/gpu/expandable.py), and returns what
+``torch.cuda.max_memory_allocated()`` and ``max_memory_reserved()`` would report.
 
 >>> MiB = 2**20
 >>> r = replay([(0, 5 * MiB), (1, 5 * MiB), (0, FREE), (2, 1)])
@@ -15,7 +16,8 @@ returns what ``torch.cuda.max_memory_allocated()`` and ``max_memory_reserved()``
 5243392
 
 Events are ``(storage_id, nbytes)`` pairs: ``nbytes >= 0`` allocates, a negative ``nbytes`` (``FREE``)
-frees the storage allocated under that id. Ids can be reused after a free. A zero-byte storage takes
+frees the storage allocated under that id. A third element ``True`` marks an allocation the caller
+survives without (a cuDNN workspace: Note [A workspace that does not fit]). Ids can be reused after a free. A zero-byte storage takes
 no block: ``NativeCachingAllocator::allocate`` only calls ``malloc`` when ``size != 0``.
 
 Note [Where the replay can differ from the GPU]
@@ -27,20 +29,28 @@ Note [Where the replay can differ from the GPU]
   model one stream.
 - Memory that bypasses the caching allocator (the CUDA context, cuBLAS's own workspace when PyTorch does
   not hand it one, NCCL buffers) is not here; see fxmem/gpu/overheads.py.
-- Out of memory. Without ``capacity`` the GPU is unbounded. With it, a ``cudaMalloc`` that would not
-  fit first frees every cached segment that holds no live block (``release_cached_blocks``; with the
-  default ``max_split_size`` ``release_available_cached_blocks`` does nothing) and tries again; if that
-  fails too, the event is recorded in ``oom_at`` and the replay carries on as if the memory existed, so
-  the peaks still say how much the step wanted.
+- Out of memory. Without ``capacity`` the GPU is unbounded. See Note [When cudaMalloc fails].
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fxmem.errors import InputSpecError
+from fxmem.gpu.alloc_conf import DEFAULT_ALLOC_CONF, AllocatorConfig
+from fxmem.gpu.blocks import (
+    K_LARGE_BUFFER,
+    K_MIN_BLOCK_SIZE,
+    K_MIN_LARGE_ALLOC,
+    K_ROUND_LARGE,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+    Block,
+    FreePool,
+    allocation_size,
+    round_size,
+)
 
 __all__ = [
     "FREE",
@@ -56,56 +66,37 @@ __all__ = [
     "round_size",
 ]
 
-# Constants of c10/cuda/CUDACachingAllocator.cpp (namespace c10::cuda::CUDACachingAllocator and its
-# Native namespace; torch 2.x; newer versions read kLargeBuffer through
-# AcceleratorAllocatorConfig::large_segment_size(), whose default is the same 20 MiB).
-K_MIN_BLOCK_SIZE = 512
-"""kMinBlockSize: every size is rounded up to a multiple of 512 bytes."""
-K_SMALL_SIZE = 1 << 20
-"""kSmallSize: requests of 1 MiB or less go to the small pool."""
-K_SMALL_BUFFER = 2 << 20
-"""kSmallBuffer: small-pool segments are 2 MiB."""
-K_MIN_LARGE_ALLOC = 10 << 20
-"""kMinLargeAlloc: large requests below 10 MiB get a kLargeBuffer segment."""
-K_LARGE_BUFFER = 20 << 20
-"""kLargeBuffer: the 20 MiB segment that 1-10 MiB requests are packed into."""
-K_ROUND_LARGE = 2 << 20
-"""kRoundLarge: segments for requests of 10 MiB or more are rounded up to 2 MiB."""
-
 FREE = -1
 """The ``nbytes`` of an event that frees its storage."""
 
-
-def round_size(nbytes: int) -> int:
-    """The block size a request gets: ``DeviceCachingAllocator::round_size`` without
-    ``roundup_power2_divisions`` (off by default), i.e. up to a multiple of kMinBlockSize, at least one.
-
-    >>> round_size(1), round_size(512), round_size(513)
-    (512, 512, 1024)
-    """
-    if nbytes < K_MIN_BLOCK_SIZE:
-        return K_MIN_BLOCK_SIZE
-    return -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE
-
-
-def allocation_size(size: int) -> int:
-    """The segment ``cudaMalloc``ed for a rounded request that no cached block fits:
-    ``DeviceCachingAllocator::get_allocation_size``.
-
-    >>> [allocation_size(s) // 2**20 for s in (512, 5 * 2**20, 12 * 2**20 + 512)]
-    [2, 20, 14]
-    """
-    if size <= K_SMALL_SIZE:
-        return K_SMALL_BUFFER
-    if size < K_MIN_LARGE_ALLOC:
-        return K_LARGE_BUFFER
-    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
-
-
-def _should_split(small: bool, remaining: int) -> bool:
-    """``DeviceCachingAllocator::should_split`` with the default (unlimited) max_split_size: a small-pool
-    block is split when at least kMinBlockSize is left over, a large-pool block when more than kSmallSize is."""
-    return remaining >= K_MIN_BLOCK_SIZE if small else remaining > K_SMALL_SIZE
+# Note [When cudaMalloc fails]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``DeviceCachingAllocator::malloc`` (c10/cuda/CUDACachingAllocator.cpp), when no cached block fits:
+#   1. with a memory fraction set and ``garbage_collection_threshold`` > 0, ``garbage_collect_cached_blocks``:
+#      once reserved memory passes threshold x allowed, release whole cached large-pool segments whose
+#      age (free-block searches of the pool since the block was put back, ``gc_count``) is at least the
+#      average, repeating until enough is reclaimed or none is left;
+#   2. ``alloc_block``: ``cudaMalloc`` the segment; it fails past the fraction's ``allowed_memory_maximum``
+#      or past what the device has free;
+#   3. ``release_available_cached_blocks`` (only with ``max_split_size_mb``): free one cached oversize block
+#      large enough, else the largest oversize ones until enough is freed, and try again;
+#   4. ``release_cached_blocks``: free every cached segment that holds no live block, and try again;
+#   5. raise ``OutOfMemoryError``.
+# ``capacity`` is what ``cudaMalloc`` can have (the device less what the driver and other libraries
+# hold outside the allocator) and ``limit`` the fraction's ``allowed_memory_maximum``. Where step 5 is
+# reached the replay records the event in ``oom_at`` and carries on as if the memory existed, so that
+# the peaks still say how much the step wanted and by how much it is short.
+#
+# Note [A workspace that does not fit]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ATen's cuDNN convolutions (aten/src/ATen/native/cudnn/Conv_v8.cpp, ``try_plans`` and
+# ``try_configs``, cudnn.benchmark off) allocate the workspace of the engine cuDNN's heuristics rank first
+# through the caching allocator; an ``OutOfMemoryError`` there (raised after step 4 above, so the cache
+# has been released) is caught and the next engine config is tried. An event marked optional is such a
+# workspace: where it does not fit, the replay gives it no memory (the cache released as torch released
+# it) and counts it in ``shrunk``. Its true replacement is the next config's workspace, which fxmem
+# does not know; cuDNN's fallback engines include implicit-GEMM ones that need none, so 0 B is the
+# figure, and the report says the step then runs a slower engine there.
 
 
 @dataclass(frozen=True)
@@ -127,109 +118,179 @@ class AllocatorReplay:
     final_allocated: int
     final_reserved: int
     segments: int
-    """Segments held at the end."""
+    """Segments held at the end (for expandable segments: mapped runs of pages)."""
     oom_at: int | None = None
+    shrunk: tuple[int, ...] = ()
+    """Indices of optional allocations (workspaces) that did not fit and got no memory: Note [A workspace that does not fit]."""
+    retries: int = 0
+    """``num_alloc_retries``: how often the cache was released to retry a ``cudaMalloc``."""
 
     @property
     def cached_at_peak_reserved(self) -> int:
         """Not a statistic torch keeps; ``peak_reserved - peak_allocated`` bounds the caching overhead."""
         return self.peak_reserved - self.peak_allocated
 
-
-class _Block:
-    """A block of a segment (``struct Block``): neighbours in the same segment are linked."""
-
-    __slots__ = ("addr", "allocated", "next", "prev", "size", "small")
-
-    def __init__(self, addr: int, size: int, small: bool) -> None:
-        self.addr, self.size, self.small = addr, size, small
-        self.allocated = False
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
+    @property
+    def fits(self) -> bool:
+        """No allocation ran out of memory (an optional one that gave way does not count)."""
+        return self.oom_at is None
 
 
 class _Allocator:
-    """``DeviceCachingAllocator`` for one stream: two pools of free blocks kept sorted by (size, address)
-    (``BlockPool::blocks`` with ``BlockComparatorSize``), searched with bisect for the best fit."""
+    """``DeviceCachingAllocator`` for one stream, with ``cudaMalloc``ed segments: best fit from the pool
+    of the request's size, else a new segment (Note [When cudaMalloc fails]); then split."""
 
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        self.free_keys: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
-        self.free_blocks: dict[int, _Block] = {}  # addr -> free block
+    def __init__(self, capacity: int | None, limit: int | None, config: AllocatorConfig) -> None:
+        self.capacity, self.limit, self.config = capacity, limit, config
+        self.pool = FreePool()
         self.next_addr = 0
         self.allocated = self.reserved = self.segments = 0
-        self.ooms = 0
+        self.ooms = self.retries = 0
 
-    def malloc(self, nbytes: int) -> _Block:
-        """``DeviceCachingAllocator::malloc``: best fit from the pool, else a new segment; then split."""
+    def malloc(self, nbytes: int, optional: bool = False) -> Block | None:
+        """A block for ``nbytes``; None where ``optional`` and out of memory."""
         size = round_size(nbytes)
         small = size <= K_SMALL_SIZE  # get_pool
-        block = self._take_free(small, size) or self._new_segment(small, allocation_size(size))
-        remaining = block.size - size
-        if _should_split(small, remaining):  # alloc_found_block: the front is handed out, the rest stays free
-            rest = _Block(block.addr + size, remaining, small)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next, block.size = rest, size
-            self._insert_free(rest)
+        block = self._take_free(small, size) or self._grow(small, size)
+        if block is None:
+            if optional:
+                return None
+            self.ooms += 1
+            block = self._past_capacity(small, size)
+        if self._should_split(block, size):  # alloc_found_block: the front is handed out, the rest stays free
+            self.pool.insert(block.split(size))
         block.allocated = True
         self.allocated += block.size
         return block
 
-    def free(self, block: _Block) -> None:
+    def free(self, block: Block) -> None:
         """``DeviceCachingAllocator::free`` -> ``free_block``: merge with free neighbours, back to the pool."""
         block.allocated = False
         self.allocated -= block.size
-        prev, nxt = block.prev, block.next
-        if prev is not None and not prev.allocated:  # try_merge_blocks(block, prev): [prev block]
-            self._remove_free(prev)
-            block.addr, block.size, block.prev = prev.addr, prev.size + block.size, prev.prev
-            if block.prev is not None:
-                block.prev.next = block
-        if nxt is not None and not nxt.allocated:  # try_merge_blocks(block, next): [block next]
-            self._remove_free(nxt)
-            block.size, block.next = block.size + nxt.size, nxt.next
-            if block.next is not None:
-                block.next.prev = block
-        self._insert_free(block)
+        self._pool_merged(block)
 
-    def _take_free(self, small: bool, size: int) -> _Block | None:
-        """``get_free_block``: the smallest free block of at least ``size`` (lowest address on ties)."""
-        keys = self.free_keys[small]
-        i = bisect.bisect_left(keys, (size, -1))
-        if i == len(keys):
+    def _pool_merged(self, block: Block) -> None:
+        """``try_merge_blocks`` with each free neighbour, then the block back into the pool."""
+        for neighbour in (block.prev, block.next):
+            if self.pool.is_free(neighbour):
+                assert neighbour is not None
+                self.pool.remove(neighbour)
+                block.absorb(neighbour)
+        self.pool.insert(block)
+
+    def _should_split(self, block: Block, size: int) -> bool:
+        """``should_split``: a small-pool block when at least kMinBlockSize is left over, a large-pool one
+        when more than kSmallSize is and the request is under ``max_split_size``."""
+        remaining = block.size - size
+        if block.small:
+            return remaining >= K_MIN_BLOCK_SIZE
+        limit = self.config.max_split_size
+        return (limit is None or size < limit) and remaining > K_SMALL_SIZE
+
+    def _take_free(self, small: bool, size: int) -> Block | None:
+        """``get_free_block``: the best fit, unless ``max_split_size`` forbids it (an oversize block for a
+        small request, or one more than kLargeBuffer larger than an oversize request)."""
+        self.pool.searches[small] += 1
+        block = self._best_fit(small, size)
+        limit = self.config.max_split_size
+        if block is None or (limit is not None and _oversize_refused(size, block.size, limit)):
             return None
-        _, addr = keys.pop(i)
-        return self.free_blocks.pop(addr)
+        self.pool.remove(block)
+        return block
 
-    def _new_segment(self, small: bool, nbytes: int) -> _Block:
+    def _best_fit(self, small: bool, size: int) -> Block | None:
+        """``get_free_block``'s ``pool.blocks.lower_bound``: the smallest free block that fits."""
+        return self.pool.lowest_fit(small, size)
+
+    def _grow(self, small: bool, size: int) -> Block | None:
+        """Steps 1-4 of Note [When cudaMalloc fails]: a new segment, or None."""
+        nbytes = allocation_size(size)
+        if self.limit is not None and self.config.garbage_collection_threshold > 0:
+            self._collect_garbage()
+        if self._room(nbytes):
+            return self._segment(small, nbytes)
+        if self._release_available(small, size) and self._room(nbytes):
+            return self._segment(small, nbytes)
+        self.retries += 1
+        self._release_all()
+        return self._segment(small, nbytes) if self._room(nbytes) else None
+
+    def _past_capacity(self, small: bool, size: int) -> Block:
+        """The segment the request would have had, placed as if the memory existed (Note [When cudaMalloc fails])."""
+        return self._segment(small, allocation_size(size))
+
+    def _room(self, nbytes: int) -> bool:
+        """Whether ``cudaMalloc(nbytes)`` succeeds: within the fraction's limit and the device's free memory."""
+        return all(bound is None or self.reserved + nbytes <= bound for bound in (self.capacity, self.limit))
+
+    def _segment(self, small: bool, nbytes: int) -> Block:
         """``alloc_block``: a ``cudaMalloc`` of ``nbytes`` at an address above all earlier segments."""
-        if self.capacity is not None and self.reserved + nbytes > self.capacity:
-            self._release_cached()
-            self.ooms += self.reserved + nbytes > self.capacity
-        block = _Block(self.next_addr, nbytes, small)
+        block = Block(self.next_addr, nbytes, small)
         self.next_addr += nbytes
         self.reserved += nbytes
         self.segments += 1
         return block
 
-    def _release_cached(self) -> None:
-        """``release_cached_blocks`` -> ``release_blocks``: ``cudaFree`` every free block that is a whole segment."""
-        whole = [b for b in self.free_blocks.values() if b.prev is None and b.next is None]
-        for block in whole:
-            self._remove_free(block)
-            self.reserved -= block.size
-            self.segments -= 1
+    def _release(self, block: Block) -> None:
+        """``release_block``: ``cudaFree`` a cached whole segment."""
+        self.pool.remove(block)
+        self.reserved -= block.size
+        self.segments -= 1
 
-    def _insert_free(self, block: _Block) -> None:
-        bisect.insort(self.free_keys[block.small], (block.size, block.addr))
-        self.free_blocks[block.addr] = block
+    def _release_all(self) -> None:
+        """``release_cached_blocks`` -> ``release_blocks``: every cached whole segment, both pools."""
+        for block in [b for b in self.pool.blocks.values() if b.whole]:
+            self._release(block)
 
-    def _remove_free(self, block: _Block) -> None:
-        keys = self.free_keys[block.small]
-        del keys[bisect.bisect_left(keys, (block.size, block.addr))]
-        del self.free_blocks[block.addr]
+    def _release_available(self, small: bool, size: int) -> bool:
+        """``release_available_cached_blocks``: with ``max_split_size``, one cached oversize block of at
+        least max(size, max_split_size), else the largest oversize ones until that much is freed."""
+        limit = self.config.max_split_size
+        if limit is None:
+            return False
+        want = max(size, limit)
+        found = self.pool.lowest_fit(small, want)
+        if found is not None:
+            if found.whole:
+                self._release(found)
+            return found.whole
+        freed = 0
+        for _, addr in reversed(list(self.pool.keys[small])):
+            block = self.pool.blocks[addr]
+            if freed >= want or block.size < limit:
+                break
+            if block.whole:
+                freed += block.size
+                self._release(block)
+        return freed >= want
+
+    def _collect_garbage(self) -> None:
+        """``garbage_collect_cached_blocks``: past threshold x limit, release the oldest cached large segments."""
+        assert self.limit is not None
+        threshold = int(self.config.garbage_collection_threshold * self.limit)
+        if self.reserved <= threshold:
+            return
+        target, reclaimed = self.reserved - threshold, 0
+        now = self.pool.searches[False]
+        candidates = [b for b in self.pool.blocks.values() if not b.small and b.whole]
+        total_age, count = sum(now - b.age for b in candidates), len(candidates)
+        while reclaimed < target and count > 0:
+            average = total_age / count
+            old = [b for b in candidates if b.addr in self.pool.blocks and now - b.age >= average]
+            if not old:
+                return
+            for block in old:
+                reclaimed += block.size
+                total_age -= now - block.age
+                count -= 1
+                self._release(block)
+            candidates = [b for b in candidates if b.addr in self.pool.blocks]
+
+
+def _oversize_refused(size: int, found: int, limit: int) -> bool:
+    """``get_free_block``'s two ``max_split_size`` checks (the second with ``max_non_split_rounding_size``'s
+    default, kLargeBuffer)."""
+    return (size < limit <= found) or (size >= limit and found >= size + K_LARGE_BUFFER)
 
 
 @dataclass
@@ -242,10 +303,12 @@ class _Peaks:
 
 
 def replay(
-    events: Iterable[tuple[int, int]],
+    events: Iterable[tuple[int, ...]],
     *,
     initial: Iterable[tuple[int, int]] = (),
     capacity: int | None = None,
+    limit: int | None = None,
+    config: AllocatorConfig = DEFAULT_ALLOC_CONF,
 ) -> AllocatorReplay:
     """Run ``events`` through the caching allocator and report its peak statistics.
 
@@ -254,17 +317,23 @@ def replay(
     steady-state step, whose allocator still caches the segments of the steps before it, replay a
     warm-up step first and read the peaks over both, as ``torch.cuda.max_memory_allocated()`` would.
     ``capacity`` is the memory ``cudaMalloc`` may hand out (the GPU's, less the CUDA context and other
-    memory outside the allocator); see Note [Where the replay can differ from the GPU].
+    memory outside the allocator) and ``limit`` a memory fraction's ``allowed_memory_maximum``; see
+    Note [When cudaMalloc fails]. ``config`` is ``PYTORCH_CUDA_ALLOC_CONF``'s settings.
     """
-    if capacity is not None and capacity < 0:
-        raise InputSpecError(f"replay: capacity must be a number of bytes, 0 or more; got {capacity}.")
-    alloc, peaks = _Allocator(capacity), _Peaks()
-    live: dict[int, _Block] = {}
-    zero: set[int] = set()
+    for name, bound in (("capacity", capacity), ("limit", limit)):
+        if bound is not None and bound < 0:
+            raise InputSpecError(f"replay: {name} must be a number of bytes, 0 or more; got {bound}.")
+    if config.expandable_segments:
+        from fxmem.gpu.expandable import ExpandableAllocator
+
+        alloc: _Allocator = ExpandableAllocator(capacity, limit, config)
+    else:
+        alloc = _Allocator(capacity, limit, config)
+    peaks, live, zero, shrunk = _Peaks(), dict[int, Block](), set[int](), list[int]()
     for event in initial:
-        _apply(alloc, live, zero, event, index=-1, peaks=peaks)
+        _apply(alloc, live, zero, event, index=-1, peaks=peaks, shrunk=shrunk)
     for index, event in enumerate(events):
-        _apply(alloc, live, zero, event, index=index, peaks=peaks)
+        _apply(alloc, live, zero, event, index=index, peaks=peaks, shrunk=shrunk)
     return AllocatorReplay(
         peak_allocated=peaks.allocated,
         peak_allocated_at=peaks.allocated_at,
@@ -274,12 +343,16 @@ def replay(
         final_reserved=alloc.reserved,
         segments=alloc.segments,
         oom_at=peaks.oom_at,
+        shrunk=tuple(shrunk),
+        retries=alloc.retries,
     )
 
 
-def _apply(alloc: _Allocator, live: dict[int, _Block], zero: set[int], event: tuple[int, int], *, index: int, peaks: _Peaks) -> None:
+def _apply(
+    alloc: _Allocator, live: dict[int, Block], zero: set[int], event: tuple[int, ...], *, index: int, peaks: _Peaks, shrunk: list[int]
+) -> None:
     """One event: allocate or free, then move the peaks."""
-    sid, nbytes = event
+    sid, nbytes = event[0], event[1]
     if nbytes < 0:
         _free(alloc, live, zero, sid, index)
         return
@@ -290,7 +363,12 @@ def _apply(alloc: _Allocator, live: dict[int, _Block], zero: set[int], event: tu
         zero.add(sid)
         return
     ooms = alloc.ooms
-    live[sid] = alloc.malloc(nbytes)
+    block = alloc.malloc(nbytes, optional=len(event) > 2 and bool(event[2]))
+    if block is None:
+        shrunk.append(index)
+        zero.add(sid)
+        return
+    live[sid] = block
     if alloc.ooms > ooms and peaks.oom_at is None:
         peaks.oom_at = index
     if alloc.allocated > peaks.allocated:
@@ -299,7 +377,7 @@ def _apply(alloc: _Allocator, live: dict[int, _Block], zero: set[int], event: tu
         peaks.reserved, peaks.reserved_at = alloc.reserved, index
 
 
-def _free(alloc: _Allocator, live: dict[int, _Block], zero: set[int], sid: int, index: int) -> None:
+def _free(alloc: _Allocator, live: dict[int, Block], zero: set[int], sid: int, index: int) -> None:
     if sid in zero:
         zero.discard(sid)
         return

@@ -13,7 +13,13 @@ The timeline (fxmem/step/timeline.py) lists every storage the step makes, at its
   ``fxmem/step/sharding.py``). See Note [Per-GPU state in the replay].
 
 The device total, what nvidia-smi would print for the process, is the reserved peak plus the driver's
-lines; the device verdict and ``max_batch`` use it.
+lines. Every replay runs against the device's memory (``budget``, the GPU's unless ``--device-memory``
+says otherwise): ``cudaMalloc`` can have the budget less the driver's lines, and a memory fraction caps
+reserved memory further. Where a segment does not fit, the allocator releases its cache and retries as
+torch does, a cuDNN workspace that does not fit gives way to an engine without one, and only where
+torch would raise out-of-memory does the step not fit (``DevicePeak.fits``); see Note [When cudaMalloc
+fails] in fxmem/gpu/allocator.py. So near the limit the reserved peak is what torch would hold there,
+not what an unbounded cache would.
 
 One steady step is replayed from an empty cache. ``max_memory_allocated`` depends only on which blocks
 are live and how each request is rounded or left unsplit, so it is the figure to compare with a GPU;
@@ -40,11 +46,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from fxmem.gpu.allocator import FREE, replay
+from fxmem.gpu.alloc_conf import DEFAULT_ALLOC_CONF, AllocatorConfig
+from fxmem.gpu.allocator import FREE, AllocatorReplay, replay
 from fxmem.gpu.gpus import GpuSpec
 from fxmem.gpu.overheads import Overheads, cuda_overheads
 from fxmem.results import Category, DevicePeak, MemoryEvent, PerGpuState, Phase, StateBytes, Timeline
 from fxmem.rules import TorchRelease
+from fxmem.rules.cudnn_conv import CUDNN_CONV_WORKSPACE
 
 __all__ = ["DeviceModel", "device_model", "replay_step"]
 
@@ -66,10 +74,27 @@ class DeviceModel:
     OPTIMIZER_STATE. See Note [Per-GPU state in the replay]."""
     extra: tuple[tuple[str, int, str], ...] = ()
     """Per-GPU storages the simulated step lacks, as (name, bytes, why): master weights, gathered units."""
+    budget: int | None = None
+    """The device memory every replay runs against; None: the GPU's (``GpuSpec.memory_bytes``)."""
+    alloc: AllocatorConfig = DEFAULT_ALLOC_CONF
+    """``PYTORCH_CUDA_ALLOC_CONF``'s settings and the memory fraction (fxmem/gpu/alloc_conf.py)."""
+
+    @property
+    def memory(self) -> int:
+        """The device memory the step must fit in."""
+        return self.gpu.memory_bytes if self.budget is None else self.budget
 
 
 def device_model(
-    gpu: GpuSpec, overrides: Mapping[str, int], *, fused: bool, simulated: StateBytes, per_gpu: PerGpuState, release: TorchRelease | None = None
+    gpu: GpuSpec,
+    overrides: Mapping[str, int],
+    *,
+    fused: bool,
+    simulated: StateBytes,
+    per_gpu: PerGpuState,
+    release: TorchRelease | None = None,
+    budget: int | None = None,
+    alloc: AllocatorConfig = DEFAULT_ALLOC_CONF,
 ) -> DeviceModel:
     """The device model for ``gpu``: ``simulated`` is the state the timeline holds (the model's own
     dtypes on one GPU), ``per_gpu`` what one GPU holds under the recipe and sharding stage."""
@@ -90,25 +115,57 @@ def device_model(
         if line.nbytes
     )
     overheads = cuda_overheads(gpu, release=release).with_overrides(overrides)
-    return DeviceModel(gpu, overheads, host_scalars=not fused, scale=scale, extra=extra)
+    return DeviceModel(gpu, overheads, host_scalars=not fused, scale=scale, extra=extra, budget=budget, alloc=alloc)
 
 
 def replay_step(timeline: Timeline, batch: int, seq: int | None, model: DeviceModel) -> DevicePeak:
-    """Replay the step at ``batch`` through the caching allocator, on top of the fixed costs."""
+    """Replay the step at ``batch`` through the caching allocator, on top of the fixed costs, against
+    the device's memory (``model.memory``)."""
     if not _runs_cudnn(timeline):
         model = replace(model, overheads=model.overheads.without("cudnn_kernels"))
     initial = list(_initial(timeline, batch, seq, model))
     events = list(_events(timeline.events, batch, seq, model))
-    result = replay(events, initial=initial)
+    capacity = max(model.memory - model.overheads.driver_bytes, 0)
+    limit = int(model.alloc.memory_fraction * model.memory) if model.alloc.memory_fraction is not None else None
+    result = replay(events, initial=initial, capacity=capacity, limit=limit, config=model.alloc)
+    named = _named_events(timeline.events, model)
     return DevicePeak(
         gpu=model.gpu.name,
         allocated=result.peak_allocated,
         reserved=result.peak_reserved,
         total=model.overheads.nvidia_smi(result.peak_reserved),
-        capacity=model.gpu.memory_bytes,
+        capacity=model.memory,
         overheads=tuple(model.overheads.lines()),
         extra=model.extra,
+        fits=result.fits,
+        oom_node=_where(named, result.oom_at),
+        shrunk=tuple(dict.fromkeys(_where(named, i) for i in result.shrunk)),
+        alloc_conf=model.alloc.describe(),
+        short=_short(result, capacity, limit),
     )
+
+
+def _short(result: AllocatorReplay, capacity: int, limit: int | None) -> int:
+    """Bytes the allocator lacked: its reserved peak (carried on past the failure) over its bound."""
+    if result.fits:
+        return 0
+    bound = capacity if limit is None else min(capacity, limit)
+    return max(result.peak_reserved - bound, 1)
+
+
+def _named_events(events: tuple[MemoryEvent, ...], model: DeviceModel) -> list[MemoryEvent]:
+    """The timeline's events in the order ``_events`` hands them to the allocator (host scalars left out)."""
+    return [e for e, _ in _paired(events, model)]
+
+
+def _where(named: list[MemoryEvent], index: int | None) -> str:
+    """The node and phase of the replayed event ``index`` ("" for None; "the model state" for -1)."""
+    if index is None:
+        return ""
+    if index < 0:
+        return "the model state before the step"
+    e = named[index]
+    return f"{e.node} ({e.phase.value})" if e.node else e.phase.value
 
 
 _CUDNN_OPS = frozenset({"aten.convolution", "aten._cudnn_rnn", "aten._scaled_dot_product_cudnn_attention", "aten.cudnn_batch_norm"})
@@ -128,7 +185,19 @@ def _initial(timeline: Timeline, batch: int, seq: int | None, model: DeviceModel
         yield -(i + 1), nbytes
 
 
-def _events(events: tuple[MemoryEvent, ...], batch: int, seq: int | None, model: DeviceModel) -> Iterator[tuple[int, int]]:
+def _events(events: tuple[MemoryEvent, ...], batch: int, seq: int | None, model: DeviceModel) -> Iterator[tuple[int, ...]]:
+    """The allocator's events; a cuDNN convolution workspace is optional (Note [A workspace that does not fit])."""
+    for e, category in _paired(events, model):
+        if not e.alloc:
+            yield (e.storage, FREE)
+            continue
+        nbytes = _scaled(category, e.nbytes.at(batch, seq), model)
+        yield (e.storage, nbytes, True) if e.bound is not None and e.bound.what == CUDNN_CONV_WORKSPACE else (e.storage, nbytes)
+
+
+def _paired(events: tuple[MemoryEvent, ...], model: DeviceModel) -> Iterator[tuple[MemoryEvent, Category]]:
+    """Each event the GPU's allocator sees, with the category its bytes scale by: the optimizer's
+    host scalars are left out (Note [Where step lives] in fxmem/rules/optimizers.py)."""
     host: set[int] = set()
     for e in events:
         if e.alloc and model.host_scalars and e.phase == Phase.OPTIMIZER and e.op == _HOST_SCALAR_OP:
@@ -137,8 +206,7 @@ def _events(events: tuple[MemoryEvent, ...], batch: int, seq: int | None, model:
             if not e.alloc:
                 host.discard(e.storage)
             continue
-        category = Category.OPTIMIZER_STATE if e.phase == Phase.OPTIMIZER and e.category == Category.TEMPORARY else e.category
-        yield (e.storage, _scaled(category, e.nbytes.at(batch, seq), model)) if e.alloc else (e.storage, FREE)
+        yield e, (Category.OPTIMIZER_STATE if e.phase == Phase.OPTIMIZER and e.category == Category.TEMPORARY else e.category)
 
 
 def _scaled(category: Category, nbytes: int, model: DeviceModel) -> int:

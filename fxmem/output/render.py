@@ -49,16 +49,19 @@ TOP_LEVEL = "(top level)"
 MARK = "*"
 """Marks the dominating rows of a screen table (``dominating_rows``), explained under it."""
 _TOTAL_AND_PEAK = (
-    "Total = model state + saved activations + the input batch. Peak = the highest point of a whole "
-    "training step (forward, loss, backward, optimizer step), temporaries included, "
+    "Held = model state (per GPU) + saved activations + the input batch: what the step keeps from forward "
+    "to backward, not its peak. Peak = the highest point of a whole training step (forward, loss, backward, "
+    "optimizer step), temporaries included, "
 )
 NOT_INCLUDED = _TOTAL_AND_PEAK + (
     "as the CPU allocator sees it; not included: allocator rounding and caching, and memory outside tensors "
     "(CUDA context, library workspaces)."
 )
 ON_GPU = _TOTAL_AND_PEAK + (
-    "in exact tensor bytes; the GPU lines replay it through the CUDA caching allocator (max_memory_allocated, "
-    "reserved) and add the fixed costs outside tensors; the device verdict uses that nvidia-smi total."
+    "in exact tensor bytes; the GPU lines replay it through the CUDA caching allocator against the device's "
+    "memory (max_memory_allocated, reserved; out of memory, it releases its cache and retries as torch does) "
+    "and add the fixed costs outside tensors. The verdict is that replay's: a batch fits where torch would "
+    "raise no out-of-memory error."
 )
 NO_PEAK = "The step was not simulated (peak=False): the batch that fits is judged on the total, without temporaries."
 
@@ -405,25 +408,59 @@ def _title(report: Report) -> str:
 
 # Note [The answer first]
 # ~~~~~~~~~~~~~~~~~~~~~~~
-# People run fxmem to learn whether a step fits and what it costs, so those lines come right under the
-# title, before any layer: the step's peak, what the GPU holds and why (its fixed costs, the estimated
-# workspaces), the floor at B=1, the largest batch that fits, and which pile dominates. The figures that
-# explain them (the activation and state piles, the totals, FLOPs, time) follow the layer table.
+# People run fxmem to learn whether a step fits and what it costs, so the verdict is the first line
+# under the title, in words ("B=32 fits 1 x NVIDIA H100 80GB SXM: 3.99 of 79.6 GiB (5%); every batch up
+# to 970 fits; 971 does not"), then what it rests on: the step's peak, what the GPU holds and why (its
+# fixed costs, the estimated workspaces), the floor, and which pile dominates. The figures that explain
+# them (the activation and state piles, what is held, FLOPs, time) follow the layer table.
 
 
 def _answer_lines(report: Report) -> list[list[str]]:
-    """Peak, GPU total, floor, largest batch and which pile dominates (Note [The answer first])."""
-    b, state = report.batch, report.state.total
+    """Verdict, peak, GPU total, floor and which pile dominates (Note [The answer first])."""
+    b, state = report.batch, report.state_per_gpu
     scaled = report.total_bytes(b) - state
     lines = [
+        *_verdict_lines(report),
         *_peak_lines(report, b, _at(report)),
         *_gpu_lines(report, b, _at(report)),
-        ["Floor at B=1", format_bytes(report.step_bytes(1)), f"{_basis(report)} with one sample"],
+        _floor_line(report),
     ]
-    if report.device_memory is not None:
-        lines.append(_device_line(report))
     lines.append(["State : activations", _ratio(state, scaled), _reading(state, scaled)])
     return lines
+
+
+def _where_it_runs(report: Report) -> str:
+    """" 1 x NVIDIA H100 80GB SXM" on a GPU target; "" on the CPU, where the budget says it all."""
+    if report.steps is not None and report.steps.device is not None:
+        ranks = report.setup.ranks if report.setup is not None else 1
+        return f" {ranks} x {report.gpu.label}" + (" (per GPU)" if ranks > 1 else "")
+    return ""
+
+
+def _verdict_lines(report: Report) -> list[list[str]]:
+    """One line that answers "does my batch fit, and what is the largest that does"."""
+    if report.device_memory is None:
+        return [["Verdict", "", "no device memory to fit in: give --device-memory (e.g. 24GiB) for a verdict and the largest batch"]]
+    b, v = report.batch, report.verdict()
+    need, budget = report.step_bytes(b), report.device_memory
+    largest = v.describe()
+    if report.fits(b):
+        head = f"B={b} fits{_where_it_runs(report)}: {format_bytes(need)} of {format_bytes(budget)} ({need / budget:.0%})"
+        return [[f"Verdict at B={b}", "fits", f"{head}; {largest}"]]
+    short = report.steps.device_peak(b, budget=budget) if report.steps is not None else None
+    gap = short.short if short is not None else need - budget
+    where = f", out of memory at {short.oom_node}" if short is not None and short.oom_node else ""
+    head = f"B={b} does not fit{_where_it_runs(report)}: {format_bytes(gap)} short{where}"
+    return [[f"Verdict at B={b}", "does not fit", f"{head}; {largest}"]]
+
+
+def _floor_line(report: Report) -> list[str]:
+    """The least any batch costs: at B=1, or at B=2 where the model cannot train on one sample."""
+    least = report.least_batch
+    if least > 1:
+        why = f"{_basis(report)} at B={least}: the model cannot train at B=1 (see the notes), so B={least} is the least it runs"
+        return [f"Floor at B={least}", format_bytes(report.step_bytes(least)), why]
+    return ["Floor at B=1", format_bytes(report.step_bytes(1)), f"{_basis(report)} with one sample"]
 
 
 def _detail_lines(report: Report) -> list[list[str]]:
@@ -431,13 +468,14 @@ def _detail_lines(report: Report) -> list[list[str]]:
     b, s, at = report.batch, report.state, _at(report)
     half = max(1, b // 2)
     total = report.total_bytes(b)
+    held = "state + saved activations + inputs, not the peak: the step's temporaries come on top"
     lines = [
         ["Activations", format_expr(report.activations), f"{format_bytes(report.activation_bytes(b))} at {at}"],
         ["Input batch", format_expr(report.accounting.inputs), f"{format_bytes(report.input_bytes(b))} at {at}"],
         [f"Model state ({s.optimizer_name})", format_bytes(s.total), _state_parts(report)],
         *_per_gpu_lines(report),
-        [f"Total at {at}", format_bytes(total), f"{_share(total - s.total, total)} scales with the batch"],
-        *([[f"Total at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
+        [f"Held at {at}", format_bytes(total), f"{held}; {_share(total - report.state_per_gpu, total)} scales with the batch"],
+        *([[f"Held at B={half}", format_bytes(report.total_bytes(half)), _saving(report, b, half)]] if half != b else []),
     ]
     return lines + _compute_lines(report, b, at)
 
@@ -496,7 +534,9 @@ def _compute_lines(report: Report, b: int, at: str) -> list[list[str]]:
         return []
     f, t = report.flops(b), report.step_time(b)
     names = ", ".join(op.removeprefix("aten.") for op, _ in f.missing[:4]) + (", ..." if len(f.missing) > 4 else "")
-    missing = f"; {len(f.missing)} kinds of op have no FLOP formula and count for bytes only ({names})" if f.missing else ""
+    calls, kinds = f.missing_calls, len(f.missing)
+    subject = f"{calls} op calls ({kinds} kind{'s' if kinds > 1 else ''}) have" if calls > 1 else "1 op call (1 kind) has"
+    missing = f"; {subject} no FLOP formula, counted for bytes only: {names}" if f.missing else ""
     gpu = report.gpu
     bound = memory_bound(node_costs(report.timeline(b), b, gpu, report.seq_len), top=3)
     slow = ", ".join(n.fqn or n.node for n in bound)
@@ -537,7 +577,8 @@ def _tradeoff_parts(report: Report) -> list[_Part]:
         return []
     rows = tuple(
         (
-            r.batch, format_bytes(r.state), format_bytes(r.activations), format_bytes(r.peak), format_bytes(r.device),
+            r.batch, format_bytes(r.state), format_bytes(r.activations), format_bytes(r.peak),
+            format_bytes(r.device) + ("" if report.fits(r.batch) else " (does not fit)"),
             format_seconds(r.seconds), format_rate(r.samples_per_second), f"{r.peak_share:.0%}",
         )
         for r in report.tradeoff()
@@ -571,17 +612,25 @@ def _gpu_lines(report: Report, b: int, at: str) -> list[list[str]]:
     """The steady step on the target GPU: allocator counters, then the fixed costs and the estimated workspaces."""
     if report.steps is None or report.steps.device is None:
         return []
-    d = report.peak(b).device
+    d = report.steps.device_peak(b, budget=report.device_memory)
     assert d is not None
-    lines = [
-        [
-            f"GPU at {at}",
-            format_bytes(d.total),
-            f"nvidia-smi total; max_memory_allocated {format_bytes(d.allocated)}, reserved {format_bytes(d.reserved)}",
-        ],
-    ]
+    counters = f"max_memory_allocated {format_bytes(d.allocated)}, reserved {format_bytes(d.reserved)}"
+    if not d.fits:
+        counters += f"; past the device: the allocator released its cache, retried and ran out at {d.oom_node} ({format_bytes(d.short)} short)"
+    conf = f"; allocator: {d.alloc_conf}" if d.alloc_conf != "torch defaults" else ""
+    lines = [[f"GPU at {at}", format_bytes(d.total), f"nvidia-smi total; {counters}{conf}"]]
     lines += [[f"+ {name}", format_bytes(n), why] for name, n, why in d.overheads if n]
+    if d.shrunk:
+        lines.append([
+            "Workspaces given way", "",
+            f"near the limit cuDNN's first engine's workspace did not fit at {_listed(d.shrunk)}: torch then runs an engine "
+            "that needs none (counted as 0 B), slower; Note [A workspace that does not fit] in fxmem/gpu/allocator.py",
+        ])  # fmt: skip
     return lines + _estimate_lines(report.peak(b))
+
+
+def _listed(names: Sequence[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _estimate_lines(p: Peak) -> list[list[str]]:
@@ -589,7 +638,11 @@ def _estimate_lines(p: Peak) -> list[list[str]]:
     bounds, and the step's peak were each at its bound: a named line, never a silent figure."""
     if p.upper is None:
         return []
-    rise = f"with every such workspace at its bound the step's peak would be {format_bytes(p.upper)}, not {format_bytes(p.bytes)}"
+    bound, peak = format_bytes(p.upper), format_bytes(p.bytes)
+    rise = f"with every such workspace at its bound the step's peak would be {bound}, not {peak}"
+    if bound == peak:  # the two print alike: say by how much they differ, which the rounding hides
+        more = f"{format_bytes(p.upper - p.bytes)} higher ({p.upper - p.bytes:,} B), still {peak}" if p.upper > p.bytes else f"the same {peak}"
+        rise = f"with every such workspace at its bound the step's peak would be {more}"
     if not p.estimated:
         return [
             ["Estimated workspaces", "", f"cuDNN convolution workspaces are estimates (its engine is cuDNN's choice at run time); {rise}"]
@@ -627,7 +680,7 @@ def _state_parts(report: Report) -> str:
 
 def _saving(report: Report, b: int, half: int) -> str:
     full, small = report.total_bytes(b), report.total_bytes(half)
-    return f"halving the batch saves {_share(full - small, full)} of the total" if half != b else ""
+    return f"halving the batch saves {_share(full - small, full)} of what is held" if half != b else ""
 
 
 def _ratio(state: int, scaled: int) -> str:
@@ -638,23 +691,6 @@ def _reading(state: int, scaled: int) -> str:
     if scaled > state:
         return "activation-heavy: batch size is the strong lever"
     return "state-heavy: the batch barely matters; shard or shrink the state (precision, optimizer)"
-
-
-def _device_line(report: Report) -> list[str]:
-    assert report.device_memory is not None
-    v = report.verdict(report.device_memory)
-    label = f"Device {format_bytes(v.budget)}"
-    if v.max_batch is None and not v.unbounded:
-        return [
-            label,
-            "does not fit",
-            f"one sample needs {format_bytes(v.floor)}: no batch size fits; shrink the per-sample shape or the state",
-        ]
-    if v.unbounded:
-        return [label, "fits at any batch", "memory does not grow with B"]
-    fits = v.max_batch
-    assert fits is not None
-    return [label, f"largest batch {fits}", f"{v.basis} {format_bytes(report.step_bytes(fits))} at B={fits}"]
 
 
 def _saved_tensor_dict(t: Any, batch: int) -> dict[str, Any]:
@@ -716,10 +752,12 @@ def to_dict(report: Report, *, depth: Depth = None) -> dict[str, Any]:
             "inputs": report.input_bytes(b),
             "total": report.total_bytes(b),
         },
-        "floor": report.total_bytes(1),
+        "floor": report.step_bytes(1),
         "device_memory": report.device_memory,
-        "max_batch": report.max_batch(report.device_memory) if report.device_memory is not None else None,
+        "fits": report.fits() if report.device_memory is not None else None,
+        "max_batch": report.max_batch() if report.device_memory is not None else None,
         "max_batch_basis": _basis(report),
+        "verdict": _verdict_dict(report),
         "target": _setup_dict(report),
         "per_gpu_state": {name: line.nbytes for name, line in report.per_gpu.lines()} if report.per_gpu is not None else None,
         "peak": _peak_dict(report) if report.steps is not None else None,
@@ -729,6 +767,29 @@ def to_dict(report: Report, *, depth: Depth = None) -> dict[str, Any]:
         "pipeline": _pipeline_dict(report.pipeline, b, report.seq_len) if report.pipeline is not None else None,
     }
     return out
+
+
+def _verdict_dict(report: Report) -> dict[str, Any] | None:
+    """The verdict's parts (Note [The largest batch] in fxmem/report.py), None without device memory."""
+    if report.device_memory is None:
+        return None
+    v = report.verdict()
+    d = report.steps.device_peak(report.batch, budget=report.device_memory) if report.steps is not None else None
+    return {
+        "batch": report.batch,
+        "fits": report.fits(),
+        "needs": report.step_bytes(report.batch),
+        "budget": v.budget,
+        "short": (d.short if d is not None else max(0, report.step_bytes(report.batch) - v.budget)) if not report.fits() else 0,
+        "out_of_memory_at": d.oom_node if d is not None and d.oom_node else None,
+        "workspaces_given_way": list(d.shrunk) if d is not None else [],
+        "max_batch": v.max_batch,
+        "unbounded": v.unbounded,
+        "checked": list(v.checked) if v.checked is not None else None,
+        "gaps": list(v.gaps),
+        "exact": v.exact,
+        "in_words": v.describe(),
+    }
 
 
 def _pipeline_dict(run: PipelineRun, batch: int, seq: int | None) -> dict[str, Any]:
@@ -811,6 +872,7 @@ def _setup_dict(report: Report) -> dict[str, Any] | None:
     return {
         "target": t.target, "gpu": t.gpu if t.cuda else None, "amp": t.amp, "precision": t.recipe,
         "world_size": t.world_size, "shard": t.shard, "optimizer_impl": t.optimizer_impl, "torch_version": t.torch_version,
+        "alloc_conf": t.alloc_conf if t.cuda else None, "memory_fraction": t.memory_fraction if t.cuda else None,
     }  # fmt: skip
 
 
@@ -820,6 +882,8 @@ def _device_dict(d: DevicePeak | None) -> dict[str, Any] | None:
     return {
         "gpu": d.gpu, "max_memory_allocated": d.allocated, "max_memory_reserved": d.reserved, "nvidia_smi_total": d.total,
         "capacity": d.capacity, "overheads": {name: n for name, n, _ in d.overheads}, "per_gpu_extra": {name: n for name, n, _ in d.extra},
+        "fits": d.fits, "short": d.short, "out_of_memory_at": d.oom_node or None, "workspaces_given_way": list(d.shrunk),
+        "allocator": d.alloc_conf,
     }  # fmt: skip
 
 

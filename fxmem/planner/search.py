@@ -289,9 +289,9 @@ def _impls(levers: frozenset[str], parallel: Config) -> tuple[str | None, ...]:
 def _fit(report: Report, config: Config, budget: int, global_batch: int | None, cap: int) -> tuple[Candidate | None, Candidate]:
     """The configuration's best micro-batch under ``budget`` (None if B=1 does not fit), and its B=1 candidate."""
     floor = _candidate(report, config, 1, _accumulation(global_batch, config, 1))
-    largest = report.max_batch(budget)
+    largest = report.max_batch(budget, scan=0)  # a batch that fits with the next failing: enough to rank configurations
     if largest is None:
-        if report.step_bytes(1) > budget:
+        if not report.fits(1, budget):
             return None, floor
         largest = cap  # nothing grows with B: any batch fits
     per_replica = None if global_batch is None else math.ceil(global_batch / config.data_parallel)

@@ -24,6 +24,7 @@ from fxmem.results import Estimated, WorkspaceBound
 from fxmem.rules.onednn_conv import highest
 
 __all__ = [
+    "CUDNN_CONV_WORKSPACE",
     "ConvFrame",
     "ConvWorkspace",
     "Direction",
@@ -35,7 +36,9 @@ __all__ = [
 ]
 
 
-_WHAT = "cuDNN convolution workspace"
+CUDNN_CONV_WORKSPACE = "cuDNN convolution workspace"
+"""What the bound of a cuDNN convolution's workspace is called; the allocator replay lets such a workspace give way
+(Note [A workspace that does not fit] in fxmem/gpu/allocator.py)."""
 
 
 # Note [cuDNN convolution workspaces]
@@ -405,7 +408,7 @@ def cudnn_convolution_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], 
         return 0
     direction = Direction.DATA if transposed else Direction.FORWARD
     found = highest(args[0].shape[0], lambda b, _regime: [conv_workspace(frame, direction, b).estimate])
-    return Estimated(found, WorkspaceBound(_WHAT, lambda b: conv_workspace(frame, direction, b).bound))
+    return Estimated(found, WorkspaceBound(CUDNN_CONV_WORKSPACE, lambda b: conv_workspace(frame, direction, b).bound))
 
 
 def cudnn_convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
@@ -433,4 +436,4 @@ def cudnn_convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[st
     found = highest(inp.shape[0], marks)
     if frame.depthwise:
         return found
-    return Estimated(found, WorkspaceBound(_WHAT, lambda b: max(marks(b, b, lambda w: w.bound))))
+    return Estimated(found, WorkspaceBound(CUDNN_CONV_WORKSPACE, lambda b: max(marks(b, b, lambda w: w.bound))))

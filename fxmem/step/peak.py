@@ -10,11 +10,12 @@ each the line of one moment of the step, exact at every B >= 2 (B=1 has its own 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fxmem.errors import CaptureError
 from fxmem.gpu.device import DeviceModel, replay_step
 from fxmem.results import Category, DevicePeak, EnvelopePiece, EstimatedBytes, Peak, Phase, Timeline
+from fxmem.step.state import HeldState, hold_state
 from fxmem.step.timeline import steady_step
 from fxmem.symbolic import ByteExpr
 
@@ -120,10 +121,14 @@ class StepPeaks:
     make_batch_one: Callable[[], Timeline] | None = field(default=None, repr=False)
     device: DeviceModel | None = None
     """For a cuda target: how the GPU holds the step (allocator, fixed costs, per-GPU state)."""
+    held: HeldState | None = None
+    """What one GPU holds of the state beyond the simulated step's (a recipe's fp32 master copy and
+    optimizer state, a sharding stage's shares): the peak counts it; ``timeline`` stays as simulated.
+    See Note [The state the peak holds] in fxmem/step/state.py."""
     path: str = ""
     """What was simulated: the whole model, or its repeated blocks from a shallow copy (Note [Repeated blocks])."""
     _points: dict[tuple[int | None, bool], Points] = field(default_factory=dict, repr=False)
-    _device: dict[tuple[int, bool], DevicePeak] = field(default_factory=dict, repr=False)
+    _device: dict[tuple[int, bool, int | None], DevicePeak] = field(default_factory=dict, repr=False)
     _steady: dict[int, tuple[Timeline, Timeline]] = field(default_factory=dict, repr=False)
 
     def timeline(self, batch: int, *, first_step: bool = False) -> Timeline:
@@ -177,27 +182,36 @@ class StepPeaks:
         first = self._first(batch)
         key = (first.batch, first_step)
         if key not in self._points:
-            self._points[key] = points(first if first_step else self._steady_of(first))
+            self._points[key] = points(hold_state(first if first_step else self._steady_of(first), self.held))
         return self._points[key]
 
     def bytes(self, batch: int, *, first_step: bool = False) -> int:
-        """The peak of the step's storages at ``batch`` (the tensors alone, unrounded)."""
+        """The peak of the step's storages at ``batch`` (the tensors alone, unrounded), its state as one GPU holds it."""
         return self._points_for(batch, first_step).highest(batch, self.seq)[0]
 
-    def device_peak(self, batch: int, *, first_step: bool = False) -> DevicePeak | None:
-        """The step through the target GPU's allocator at ``batch``; None for a cpu target."""
+    def device_peak(self, batch: int, *, first_step: bool = False, budget: int | None = None) -> DevicePeak | None:
+        """The step through the target GPU's allocator at ``batch``, against ``budget`` bytes of device
+        memory (default the device model's); None for a cpu target."""
         if self.device is None:
             return None
-        key = (batch, first_step)
+        budget = None if budget == self.device.memory else budget
+        key = (batch, first_step, budget)
         if key not in self._device:
-            self._device[key] = replay_step(self.timeline(batch, first_step=first_step), batch, self.seq, self.device)
+            model = self.device if budget is None else replace(self.device, budget=budget)
+            self._device[key] = replay_step(self.timeline(batch, first_step=first_step), batch, self.seq, model)
         return self._device[key]
 
-    def device_bytes(self, batch: int) -> int:
+    def device_bytes(self, batch: int, budget: int | None = None) -> int:
         """What the device must hold for a steady step at ``batch``: nvidia-smi's total on a GPU, the
         tensors' peak on the CPU."""
-        device = self.device_peak(batch)
+        device = self.device_peak(batch, budget=budget)
         return device.total if device is not None else self.bytes(batch)
+
+    def fits(self, batch: int, budget: int) -> bool:
+        """Whether a steady step at ``batch`` fits in ``budget`` bytes: on a GPU, replayed through the
+        caching allocator with no out-of-memory error (fxmem/gpu/device.py); on the CPU, its peak."""
+        device = self.device_peak(batch, budget=budget)
+        return device.fits if device is not None else self.bytes(batch) <= budget
 
     def peak(self, batch: int, *, first_step: bool = False) -> Peak:
         pts = self._points_for(batch, first_step)
@@ -217,7 +231,10 @@ class StepPeaks:
         symbolic = self.symbolic_timeline()
         if symbolic is None:
             return ()
-        pts = self._points_for(2, first_step) if 2 not in self.exact else points(symbolic if first_step else self._steady_of(symbolic))
+        if 2 in self.exact:
+            pts = points(hold_state(symbolic if first_step else self._steady_of(symbolic), self.held))
+        else:
+            pts = self._points_for(2, first_step)
         return envelope(pts) if pts.linear else ()
 
 

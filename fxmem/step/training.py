@@ -23,6 +23,7 @@ from fxmem.step.sharding import STAGES as SHARDS
 from fxmem.step.sharding import check_plan
 
 if TYPE_CHECKING:
+    from fxmem.gpu.alloc_conf import AllocatorConfig
     from fxmem.gpu.gpus import GpuSpec
     from fxmem.step.timeline import StepTarget
 
@@ -57,6 +58,10 @@ class TrainingSetup:
     tp: int = 1
     """Tensor-parallel ranks (``--tp``), each data-parallel rank's group of ``tp`` GPUs; the step is
     then one rank's of the real engine (fxmem/parallel)."""
+    alloc_conf: str = ""
+    """``PYTORCH_CUDA_ALLOC_CONF`` as the training job sets it ("" : torch's defaults); see fxmem/gpu/alloc_conf.py."""
+    memory_fraction: float | None = None
+    """``torch.cuda.set_per_process_memory_fraction``'s share, where the job sets one."""
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
@@ -81,6 +86,7 @@ class TrainingSetup:
             )
         if self.target == "cuda":
             self.device  # noqa: B018 - fails early on an unknown --gpu
+            self.allocator  # noqa: B018 - fails early on a malformed --alloc-conf
         self.release  # noqa: B018 - fails early on a malformed --torch-version
 
     def unused(self) -> tuple[str, ...]:
@@ -99,6 +105,8 @@ class TrainingSetup:
                 ("--gpu", self.gpu != DEFAULT_GPU),
                 ("--torch-version", self.torch_version is not None),
                 ("--overhead", bool(self.overheads)),
+                ("--alloc-conf", bool(self.alloc_conf)),
+                ("--memory-fraction", self.memory_fraction is not None),
             ]
             found += [f"{option} describes the cuda target and has no effect with --target cpu." for option, on in given if on]
         return tuple(found)
@@ -152,6 +160,13 @@ class TrainingSetup:
         from fxmem.gpu.gpus import get_gpu
 
         return get_gpu(self.gpu)
+
+    @property
+    def allocator(self) -> AllocatorConfig:
+        """The caching allocator's settings of a cuda target (``alloc_conf`` and ``memory_fraction``)."""
+        from fxmem.gpu.alloc_conf import parse_alloc_conf
+
+        return parse_alloc_conf(self.alloc_conf, memory_fraction=self.memory_fraction)
 
     @property
     def release(self) -> TorchRelease:
@@ -210,6 +225,8 @@ class TrainingSetup:
             parts.append(f"optimizer {self.optimizer_impl}")
         if self.torch_version is not None:
             parts.append(f"torch {self.torch_version}")
+        if self.cuda and (self.alloc_conf or self.memory_fraction is not None):
+            parts.append(f"allocator {self.allocator.describe()}")
         return ", ".join(parts)
 
 
