@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -15,13 +15,14 @@ from fxmem.cost.tradeoff import BN_THRESHOLD, batchnorm_layers
 from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_bytes_at
 from fxmem.engine.capture import BatchSpecialized, StepCapture, SymbolicUnsupported, capture_saved
 from fxmem.engine.losses import Loss, get_loss
-from fxmem.errors import CaptureError, FxmemError, FxmemWarning, InputSpecError
+from fxmem.errors import CaptureError, FxmemError, InputSpecError
 from fxmem.frontends.blocks import BlockStack
 from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.deepen import trace_blocks
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
-from fxmem.parallel import ParallelPlan, default_tp_plan, one_rank, tp_layers
+from fxmem.options import Hardware, Parallelism, Training, merge, spell, warn_at_caller
+from fxmem.parallel import ParallelPlan, one_rank
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, Category, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for
@@ -40,10 +41,11 @@ from fxmem.step.pipeline import (
     split_stages,
 )
 from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
-from fxmem.step.sharding import engine_share, fsdp_units, shard_state, units_of
+from fxmem.step.sharding import engine_share, shard_state, units_of
 from fxmem.step.state import HeldState, get_optimizer, held_state, state_bytes
 from fxmem.step.timeline import simulate_step
-from fxmem.step.training import DEFAULT_GPU, TrainingSetup
+from fxmem.step.parallelism import check_tp_optimizer, parallel_plan, sequence_plan
+from fxmem.step.training import TrainingSetup
 
 __all__ = ["analyze"]
 
@@ -53,40 +55,44 @@ def analyze(
     model: nn.Module,
     inputs: InputSpecs,
     *,
-    loss: str = "sum",
-    optimizer: str = "adamw",
-    param_dtype: torch.dtype | None = None,
     batch: int = 32,
-    device_memory: int | None = None,
+    training: Training | None = None,
+    hardware: Hardware | None = None,
+    parallel: Parallelism | None = None,
+    seq_len: int | None = None,
     name: str | None = None,
     leaf_types: tuple[type, ...] = (),
     frontend: str = "auto",
-    seq_len: int | None = None,
     strict: bool = False,
     peak: bool = True,
     progress: Callable[[str], None] | None = None,
-    target: str = "cuda",
-    gpu: str = DEFAULT_GPU,
-    amp: str | None = None,
-    precision: str = "",
-    world_size: int = 1,
-    shard: str = "none",
-    optimizer_impl: str | None = None,
-    overheads: Mapping[str, int] | None = None,
     bn_threshold: int = BN_THRESHOLD,
+    loss: str | None = None,
+    optimizer: str | None = None,
+    optimizer_impl: str | None = None,
+    precision: str | None = None,
+    amp: str | None = None,
+    param_dtype: torch.dtype | None = None,
+    target: str | None = None,
+    gpu: str | None = None,
+    device_memory: int | None = None,
     torch_version: str | None = None,
-    fsdp: int = 1,
+    overheads: Mapping[str, int] | None = None,
+    alloc_conf: str | None = None,
+    memory_fraction: float | None = None,
+    fsdp: int | None = None,
     fsdp_units: Iterable[str] | None = None,
-    tp: int = 1,
+    tp: int | None = None,
     tp_plan: Mapping[str, str] | None = None,
-    sp: bool = False,
-    pp: int = 1,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
+    sp: bool | None = None,
+    pp: int | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
     pp_splits: Iterable[int] | None = None,
     stages_per_rank: int | None = None,
-    alloc_conf: str = "",
-    memory_fraction: float | None = None,
+    world_size: int | None = None,
+    shard: str | None = None,
+    _flags: bool = False,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
 
@@ -94,91 +100,122 @@ def analyze(
     >>> report.activations   # Linear keeps its input (input batch, not counted); ReLU keeps its 4 outputs
     ByteExpr(per_sample=16, fixed=0)
 
+    The call reads as the step: the model and its ``inputs``, the ``batch`` asked about, then one
+    object for how it is trained (``training=Training(loss=..., optimizer=..., amp=...)``), one for
+    what it runs on (``hardware=Hardware(gpu=..., device_memory=...)``) and one for how it is spread
+    (``parallel=Parallelism(fsdp=..., tp=..., pp=...)``); each field is documented in fxmem/options.py.
+    Every field is also a plain keyword (``analyze(model, inputs, loss="cross_entropy")``), which
+    fills in its object's field; the same field given in both with two values is an InputSpecError.
+
     ``inputs`` mark the batch axis B (and optionally a sequence axis S, evaluated at ``seq_len``).
     ``frontend`` is "auto" (torch.fx, else torch.export), "fx" or "export"; ``strict`` turns saved
-    sizes that depend on the data into an error instead of 0 B listed as unsupported. The model is put
-    in train mode, as the step it describes runs. ``progress``, if given, is called with a short
-    phrase as each stage starts; the CLI shows these for stages that take long. The library never prints.
+    sizes that depend on the data into an error instead of 0 B listed as unsupported. The step is
+    traced and simulated in train mode, as it runs; each module's ``training`` flag is as it was when
+    ``analyze`` returns or raises. ``progress``, if given, is called with a short phrase as each stage
+    starts; the CLI shows these for stages that take long. The library never prints; a setting that
+    changes nothing is an FxmemWarning at the caller's line.
     ``peak`` simulates the whole training step (forward, loss, backward, optimizer step) for its
-    peak, which ``max_batch`` and ``device_memory`` then use; ``peak=False`` skips it.
-
-    ``target`` is the device the step is for: "cuda" (the default; the GPU named by ``gpu``, see
-    ``fxmem.gpu.gpus.GPUS``), where kernels save what CUDA's save, the caching allocator rounds every block
-    and fixed costs (context, library workspaces; ``overheads`` overrides them by name) are added; or
-    "cpu", which is what ``fxmem.measure`` checks exactly. ``amp`` ("bf16"/"fp16") runs the forward under
-    autocast with the target's cast policy; ``precision`` names the state recipe (see
-    ``fxmem.step.precision``); ``world_size`` and ``shard`` ("zero1", "zero2", "zero3", "fsdp") give the
-    per-GPU share of a sharded run; ``optimizer_impl`` is "foreach", "fused" or "for-loop".
+    peak, which ``max_batch`` and ``Hardware.device_memory`` then use; ``peak=False`` skips it.
     ``bn_threshold``: per-device batches below it get the batch-norm caveat where the model has
-    batch-statistics layers (``Report.batchnorm_caveat``). ``torch_version`` ("2.11") is the torch
-    release the training job runs, where a cuda target's kernel choices changed between releases
-    (SDPA's backend, cuBLASLt's workspace); None follows the torch fxmem runs with. ``alloc_conf`` is
-    ``PYTORCH_CUDA_ALLOC_CONF`` as the job sets it ("expandable_segments:True,max_split_size_mb:512";
-    default torch's) and ``memory_fraction`` ``torch.cuda.set_per_process_memory_fraction``'s share: the
-    step is replayed through the caching allocator so set up, against ``device_memory`` (default the
-    GPU's), and fits where torch would raise no out-of-memory error (``Report.fits``).
+    batch-statistics layers (``Report.batchnorm_caveat``). ``name`` titles the report (default the
+    model's class); ``leaf_types`` are module classes traced as one node.
 
-    ``fsdp`` (N > 1, the same as ``world_size=N, shard="fsdp"``) simulates one rank of FSDP2 over N
-    ranks by running ``fully_shard`` itself on a fake process group (fxmem/parallel): ``fsdp_units``
-    (module paths; default each repeated block) are wrapped, then the root, and ``batch`` is the
-    rank's micro-batch. ``tp`` (T > 1) adds tensor parallel over T ranks by running
-    ``parallelize_module`` itself: ``tp_plan`` maps module paths (``*`` one component) to style names
-    ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"; default the model's own
-    ``_tp_plan``, as HF models and the zoo's transformers carry). With both, the step is one rank's of
-    a 2-D mesh of ``fsdp x tp`` ranks (Note [Tensor parallel plans] in fxmem/parallel/tensor.py).
-    ``sp`` (with ``tp``) takes the model's sequence-parallel plan instead: the norms and the residual
-    stream split along the sequence between the tensor-parallel layers (Note [Sequence parallel]).
-    ``pp`` (P > 1) splits the repeated blocks into P pipeline stages (V x P under "interleaved", V =
-    ``stages_per_rank`` per rank, 2 by default; ``pp_splits``: the first block of each stage after
-    the first) and simulates every rank's
-    step by running torch's own schedule (``schedule``: "gpipe", "1f1b" or "interleaved") over
-    ``microbatches`` microbatches of ``batch`` samples on a
-    fake process group (Note [Pipeline stages] in fxmem/parallel/pipeline_split.py): ``report.pipeline``
-    holds each rank, and ``report.peak`` is the highest rank's. With ``fsdp`` and ``tp``, each
-    stage is sharded by FSDP2 and tensor parallel too (``fsdp_units`` and the plan's layers inside it,
-    then ``fully_shard`` on the stage's module: Note [Data parallel inside pipeline stages] in
-    fxmem/parallel/rank.py), each rank its stage's first.
+    ``Hardware.target`` "cuda" (the default; the GPU ``Hardware.gpu``, see ``fxmem.gpu.gpus.GPUS``):
+    kernels save what CUDA's save, the caching allocator (set up by ``alloc_conf`` and
+    ``memory_fraction``) replays every block against ``device_memory`` (default the GPU's) and fixed
+    costs are added, so ``Report.fits`` says where torch would raise no out-of-memory error; "cpu" is
+    what ``fxmem.measure`` checks exactly.
+
+    ``Parallelism.fsdp`` (N > 1) simulates one rank of FSDP2 over N ranks by running ``fully_shard``
+    itself on a fake process group (fxmem/parallel), and ``batch`` is the rank's micro-batch;
+    ``tp`` (T > 1) adds tensor parallel by running ``parallelize_module`` itself (with both, one rank
+    of a 2-D mesh of ``fsdp x tp`` ranks: Note [Tensor parallel plans] in fxmem/parallel/tensor.py);
+    ``sp`` takes the model's sequence-parallel plan (Note [Sequence parallel]). ``pp`` (P > 1) splits
+    the repeated blocks into pipeline stages and simulates every rank's step by running torch's own
+    schedule over ``microbatches`` microbatches of ``batch`` samples on a fake process group (Note
+    [Pipeline stages] in fxmem/parallel/pipeline_split.py): ``report.pipeline`` holds each rank, and
+    ``report.peak`` is the highest rank's. With ``fsdp`` and ``tp``, each stage is sharded by them
+    too (Note [Data parallel inside pipeline stages] in fxmem/parallel/rank.py).
+    ``world_size`` and ``shard`` ("zero1", "zero2", "zero3", "fsdp") give instead the per-GPU share
+    of a sharded run by DeepSpeed's formulas.
     """
-    name = name or type(model).__name__
-    if pp != 1:
+    _check_model_args(model, leaf_types)
+    training = merge(
+        training, Training,
+        {"loss": loss, "optimizer": optimizer, "optimizer_impl": optimizer_impl, "precision": precision, "amp": amp, "param_dtype": param_dtype},
+    )  # fmt: skip
+    hardware = merge(
+        hardware, Hardware,
+        {"target": target, "gpu": gpu, "device_memory": device_memory, "torch_version": torch_version, "overheads": overheads,
+         "alloc_conf": alloc_conf, "memory_fraction": memory_fraction},
+    )  # fmt: skip
+    parallel = merge(
+        parallel, Parallelism,
+        {"fsdp": fsdp, "fsdp_units": fsdp_units, "tp": tp, "tp_plan": tp_plan, "sp": sp, "pp": pp, "microbatches": microbatches,
+         "schedule": schedule, "pp_splits": pp_splits, "stages_per_rank": stages_per_rank, "world_size": world_size, "shard": shard},
+    )  # fmt: skip
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        return _analyze(
+            model, inputs, training, hardware, parallel, batch=batch, seq_len=seq_len, name=name or type(model).__name__,
+            leaf_types=leaf_types, frontend=frontend, strict=strict, peak=peak, progress=progress, bn_threshold=bn_threshold, flags=_flags,
+        )  # fmt: skip
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _analyze(
+    model: nn.Module,
+    inputs: InputSpecs,
+    training: Training,
+    hardware: Hardware,
+    parallel: Parallelism,
+    *,
+    batch: int,
+    seq_len: int | None,
+    name: str,
+    leaf_types: tuple[type, ...],
+    frontend: str,
+    strict: bool,
+    peak: bool,
+    progress: Callable[[str], None] | None,
+    bn_threshold: int,
+    flags: bool,
+    warn: bool = True,
+) -> Report:
+    """``analyze`` on the option objects; ``warn=False`` leaves the FxmemWarnings to the caller."""
+    if parallel.pp != 1:
         one_gpu = functools.partial(
-            analyze, model, inputs, loss=loss, optimizer=optimizer, param_dtype=param_dtype, batch=batch, device_memory=device_memory,
-            name=name, leaf_types=leaf_types, frontend=frontend, seq_len=seq_len, strict=strict, peak=False, progress=progress,
-            target=target, gpu=gpu, amp=amp, precision=precision, world_size=world_size, shard=shard, optimizer_impl=optimizer_impl,
-            overheads=overheads, bn_threshold=bn_threshold, torch_version=torch_version, alloc_conf=alloc_conf,
-            memory_fraction=memory_fraction,
+            _analyze, model, inputs, training, hardware, Parallelism(world_size=parallel.world_size, shard=parallel.shard), batch=batch,
+            seq_len=seq_len, name=name, leaf_types=leaf_types, frontend=frontend, strict=strict, peak=False, progress=progress,
+            bn_threshold=bn_threshold, flags=flags, warn=False,
         )  # fmt: skip
-        world, sharding = _fsdp_setup(fsdp, world_size, shard)
-        rank_setup = TrainingSetup(
-            target, gpu, amp, precision, world, sharding, optimizer_impl, dict(overheads or {}), torch_version, tp, alloc_conf, memory_fraction
-        )
-        return _pipelined(
-            model, one_gpu, rank_setup, pp=pp, microbatches=microbatches, schedule=schedule, splits=pp_splits, virtual=stages_per_rank, name=name,
-            fsdp_units=fsdp_units, tp_plan=tp_plan, sp=sp, peak=peak, optimizer=optimizer, param_dtype=param_dtype,
-            progress=progress,
-        )  # fmt: skip
-    world_size, shard = _fsdp_setup(fsdp, world_size, shard)
-    setup = TrainingSetup(
-        target, gpu, amp, precision, world_size, shard, optimizer_impl, dict(overheads or {}), torch_version, tp, alloc_conf, memory_fraction
-    )
+        rank_setup = TrainingSetup.of(training, hardware, parallel)
+        if warn:
+            _warn_unused(rank_setup, parse_inputs(inputs), seq_len, (), flags)
+        return _pipelined(model, one_gpu, rank_setup, parallel, training, name=name, peak=peak, progress=progress)
+    setup = TrainingSetup.of(training, hardware, parallel)
+    loss, optimizer, param_dtype, device_memory = training.loss, training.optimizer, training.param_dtype, hardware.device_memory
     specs, loss_fn, opt = _in_dtype(parse_inputs(inputs), setup.state_dtype), get_loss(loss), get_optimizer(optimizer)
     check_batch(batch)
     bn_threshold = _check_threshold(bn_threshold)
-    _check_model_args(model, leaf_types)
-    _warn_unused(setup, specs, seq_len, _pipeline_options(microbatches, schedule, pp_splits, stages_per_rank))
+    if warn:
+        _warn_unused(setup, specs, seq_len, _pipeline_options(parallel, flags), flags)
     seq = _seq_len(specs, seq_len)
     say = progress or _silent
     model.train()
     say("tracing the model")
     traced, shallow = trace_blocks(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     gm = traced.gm
-    plan = _parallel_plan(model, setup, fsdp_units, _sequence_plan(model, tp, tp_plan, sp, name), peak, name)
+    layers = sequence_plan(model, parallel.tp, parallel.tp_plan, parallel.sp, name)
+    plan = parallel_plan(model, setup, parallel.fsdp_units, layers, peak, name)
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     simulate = _step_simulator(specs, loss_fn, opt, name, seq, setup, impl, plan, strict)
     shared = SharedPasses(simulate) if peak and plan is None else None  # Note [One pass for the capture and the step]
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan, shared)
     say("counting model state")
-    _check_tp_optimizer(model, plan, impl, name)
+    check_tp_optimizer(model, plan, impl, name)
     if device_memory is None and setup.cuda:
         device_memory = setup.device.memory_bytes
     state, per_gpu, device = _state(model, opt, param_dtype, setup, impl, device_memory)
@@ -201,19 +238,11 @@ def _pipelined(
     model: nn.Module,
     one_gpu: Callable[[], Report],
     setup: TrainingSetup,
+    parallel: Parallelism,
+    training: Training,
     *,
-    pp: int,
-    microbatches: int,
-    schedule: str,
-    splits: Iterable[int] | None,
-    virtual: int | None,
     name: str,
-    fsdp_units: Iterable[str] | None,
-    tp_plan: Mapping[str, str] | None,
-    sp: bool,
     peak: bool,
-    optimizer: str,
-    param_dtype: torch.dtype | None,
     progress: Callable[[str], None] | None,
 ) -> Report:
     """``analyze`` with ``pp`` pipeline stages: the whole model's saved bytes per node (a pipeline
@@ -221,6 +250,7 @@ def _pipelined(
     (fxmem/step/pipeline.py) on stages split from the graph ``one_gpu`` traced. ``setup`` is a rank's:
     with FSDP2 or tensor parallel in it, each stage is sharded by them too (Note [Data parallel inside
     pipeline stages] in fxmem/parallel/rank.py)."""
+    pp, sp, optimizer, param_dtype = parallel.pp, parallel.sp, training.optimizer, training.param_dtype
     if not peak:
         raise InputSpecError(f"model '{name}': --pp {pp} simulates each rank's training step, which --no-peak (peak=False) skips; drop one.")
     if sp is True and setup.tp > 1:
@@ -228,9 +258,9 @@ def _pipelined(
             f"model '{name}': --sp inside pipeline stages is not modelled yet (a stage would hand the next one the residual "
             "stream split along the sequence, which the stages' static shapes do not describe); use --tp without --sp with --pp."
         )
-    plan = pipeline_plan(model, pp, microbatches, schedule, splits, name, virtual)
-    within = _parallel_plan(model, setup, fsdp_units, _sequence_plan(model, setup.tp, tp_plan, sp, name), peak, name)
-    _check_tp_optimizer(model, within, setup.optimizer_impl or default_impl(get_optimizer(optimizer), setup.target), name)
+    plan = pipeline_plan(model, pp, parallel.microbatches, parallel.schedule, parallel.pp_splits, name, parallel.stages_per_rank)
+    within = parallel_plan(model, setup, parallel.fsdp_units, sequence_plan(model, setup.tp, parallel.tp_plan, sp, name), peak, name)
+    check_tp_optimizer(model, within, setup.optimizer_impl or default_impl(get_optimizer(optimizer), setup.target), name)
     whole = one_gpu()
     say = progress or _silent
     graphs = split_stages(whole.graph, plan, name)
@@ -269,10 +299,11 @@ def _pipeline_rank(
 
     def simulate(b: int | None) -> StageStep:
         say(f"simulating pipeline rank {rank} at " + ("B symbolic" if b is None else f"B={b}"))
-        step = simulate_stage(
-            graphs, rank, plan, whole.inputs, loss=loss, optimizer=opt, batch=b, target=target, model=whole.model,
-            seq=whole.seq_len if b else None, parallel=within,
-        )  # fmt: skip
+        with _train_mode(*graphs.stages):
+            step = simulate_stage(
+                graphs, rank, plan, whole.inputs, loss=loss, optimizer=opt, batch=b, target=target, model=whole.model,
+                seq=whole.seq_len if b else None, parallel=within,
+            )  # fmt: skip
         marks[b] = step.marks
         return step
 
@@ -347,19 +378,20 @@ def _step_simulator(
     target = setup.step_target(impl)
 
     def simulate(graph: fx.GraphModule, b: int | None, captured: Callable[[StepCapture], None] | None) -> Timeline:
-        return simulate_step(
-            graph,
-            specs,
-            loss=loss,
-            optimizer=opt,
-            batch=b,
-            target=target,
-            model=name,
-            seq=seq if b else None,
-            parallel=plan.within(graph) if plan is not None else None,
-            strict=strict,
-            captured=captured,
-        )
+        with _train_mode(graph):
+            return simulate_step(
+                graph,
+                specs,
+                loss=loss,
+                optimizer=opt,
+                batch=b,
+                target=target,
+                model=name,
+                seq=seq if b else None,
+                parallel=plan.within(graph) if plan is not None else None,
+                strict=strict,
+                captured=captured,
+            )
 
     return simulate
 
@@ -556,44 +588,53 @@ def _pass(
     sharded = (lambda graph, mode: one_rank(rank, graph, mode, name)) if rank is not None else None
 
     def run(batch: int | None, seq: int | None) -> Capture:
-        return capture_saved(
-            gm,
-            specs,
-            loss=loss,
-            batch=batch,
-            seq=seq,
-            rules=rules,
-            model=name,
-            strict=strict,
-            kernels=kernels,
-            state_dtype=setup.state_dtype,
-            layouts=layouts,
-            sharded=sharded,
-        )
+        with _train_mode(gm):
+            return capture_saved(
+                gm,
+                specs,
+                loss=loss,
+                batch=batch,
+                seq=seq,
+                rules=rules,
+                model=name,
+                strict=strict,
+                kernels=kernels,
+                state_dtype=setup.state_dtype,
+                layouts=layouts,
+                sharded=sharded,
+            )
 
     return run
 
 
-def _pipeline_options(microbatches: int, schedule: str, splits: Iterable[int] | None, virtual: int | None) -> list[str]:
-    """The pipeline options given without ``pp``, as the CLI spells them."""
-    given = [f"--microbatches {microbatches}"] if microbatches != 1 else []
-    given += [f"--schedule {schedule}"] if schedule != "1f1b" else []
-    given += [f"--pp-split {s}" for s in splits or ()]
-    return given + ([f"--stages-per-rank {virtual}"] if virtual is not None else [])
+def _pipeline_options(parallel: Parallelism, flags: bool = False) -> list[str]:
+    """The pipeline options given without ``pp``, as the caller spells them (the CLI's flags where ``flags``)."""
+    given = [spell("microbatches", parallel.microbatches, flags=flags)] if parallel.microbatches != 1 else []
+    given += [spell("schedule", parallel.schedule, flags=flags)] if parallel.schedule != "1f1b" else []
+    if flags:
+        given += [spell("pp_splits", s, flags=True) for s in parallel.pp_splits or ()]
+    elif parallel.pp_splits:
+        given.append(spell("pp_splits", parallel.pp_splits))
+    stages = parallel.stages_per_rank
+    return given + ([spell("stages_per_rank", stages, flags=flags)] if stages is not None else [])
 
 
-def _warn_unused(setup: TrainingSetup, specs: tuple[InputSpec, ...], seq_len: int | None, pipeline: Sequence[str] = ()) -> None:
-    """One FxmemWarning for each option given that changes nothing here (shown once by the CLI)."""
-    unused = list(setup.unused())
+def _warn_unused(
+    setup: TrainingSetup, specs: tuple[InputSpec, ...], seq_len: int | None, pipeline: Sequence[str] = (), flags: bool = False
+) -> None:
+    """One FxmemWarning for each option given that changes nothing here (shown once by the CLI), at the
+    caller's line, naming each option as the caller gave it (the CLI's flags where ``flags``)."""
+    unused = list(setup.unused(flags=flags))
     if pipeline:
-        unused.append(f"{', '.join(pipeline)}: pipeline options, with no effect without --pp P (pp=P); pass --pp, or drop them.")
+        pp, give = ("--pp P", "--pp") if flags else ("Parallelism.pp=P", "Parallelism.pp")
+        unused.append(f"{', '.join(pipeline)}: pipeline options, with no effect without {pp}; pass {give}, or drop them.")
     if seq_len is not None and not has_seq(specs):
         unused.append(
-            f"--seq-len {seq_len} has no effect: no input has a symbolic sequence axis S "
-            f"({', '.join(map(str, specs))}); write S in the shape, e.g. B,S:int64, or drop --seq-len."
+            f"{spell('seq_len', seq_len, flags=flags)} has no effect: no input has a symbolic sequence axis S "
+            f"({', '.join(map(str, specs))}); write S in the shape, e.g. B,S:int64, or drop {spell('seq_len', flags=flags)}."
         )
     for message in unused:
-        warnings.warn(message, FxmemWarning, stacklevel=3)
+        warn_at_caller(message)
 
 
 def _seq_len(specs: tuple[InputSpec, ...], seq_len: int | None) -> int | None:
@@ -608,85 +649,19 @@ def _seq_len(specs: tuple[InputSpec, ...], seq_len: int | None) -> int | None:
     return seq_len
 
 
-def _fsdp_setup(fsdp: object, world_size: int, shard: str) -> tuple[int, str]:
-    """(world_size, shard) with ``fsdp=N`` folded in: N ranks of the real FSDP2 engine."""
-    if not isinstance(fsdp, int) or isinstance(fsdp, bool) or fsdp < 1:
-        raise InputSpecError(f"fsdp must be a whole number of ranks, 1 or more; got {fsdp!r}.")
-    if fsdp == 1:
-        return world_size, shard
-    if (world_size, shard) not in ((1, "none"), (fsdp, "fsdp")):
-        raise InputSpecError(
-            f"--fsdp {fsdp} sets the ranks and the sharding itself; it cannot be combined with --world-size {world_size} "
-            f"--shard {shard}: give one or the other."
-        )
-    return fsdp, "fsdp"
-
-
-def _parallel_plan(
-    model: nn.Module, setup: TrainingSetup, units: Iterable[str] | None, tp_plan: Mapping[str, str] | None, peak: bool, name: str
-) -> ParallelPlan | None:
-    """The plan of a ``--fsdp`` / ``--tp`` run (None otherwise): FSDP2's units and tensor parallel's
-    layers, checked against the model."""
-    if units is not None and not setup.fsdp:
-        raise InputSpecError("fsdp_units names FSDP2's units, which only --fsdp N (N > 1) uses; pass fsdp=N too.")
-    if tp_plan is not None and setup.tp == 1:
-        raise InputSpecError("tp_plan names tensor parallel's layers, which only --tp T (T > 1) uses; pass tp=T too.")
-    if not setup.engine:
-        return None
-    if not peak:
-        raise InputSpecError(
-            f"model '{name}': --fsdp and --tp simulate one rank's training step, which --no-peak (peak=False) skips; drop one."
-        )
-    chosen = _fsdp_units(model, units, name) if setup.fsdp else ()
-    layers = tp_layers(model, setup.tp, tp_plan, name) if setup.tp > 1 else ()
-    return ParallelPlan(setup.world_size if setup.fsdp else 1, chosen, mixed=setup.fsdp_mixed, tp=setup.tp, tp_layers=layers)
-
-
-def _sequence_plan(model: nn.Module, tp: int, tp_plan: Mapping[str, str] | None, sp: object, name: str) -> Mapping[str, str] | None:
-    """The tensor-parallel plan: ``tp_plan``, or with ``sp`` the model's sequence-parallel one."""
-    if not isinstance(sp, bool):
-        raise InputSpecError(f"sp must be True or False; got {sp!r}.")
-    if not sp:
-        return tp_plan
-    if tp == 1:
-        raise InputSpecError("sp (--sp) splits the sequence among tensor-parallel ranks: pass tp=T (--tp T) with T > 1 too.")
-    if tp_plan is not None:
-        raise InputSpecError(
-            "sp (--sp) takes the model's own sequence-parallel plan; with tp_plan= (--tp-plan), write the sequence styles in it instead."
-        )
-    return default_tp_plan(model, sequence_parallel=True, name=name)
-
-
-def _check_tp_optimizer(model: nn.Module, plan: ParallelPlan | None, impl: str, name: str) -> None:
-    """Tensor parallel alone leaves the parameters outside its layers plain tensors beside the layers'
-    DTensors, and torch's foreach and fused optimizers refuse such a mix ("got mixed torch.Tensor and
-    DTensor"), in a real run as in the simulated one: say so before the step is simulated."""
-    if plan is None or plan.tp == 1 or plan.fsdp > 1 or impl == "for-loop":
-        return
-    sharded = {
-        f"{layer.path}.{p}" if layer.path else p for layer in plan.tp_layers for p, _ in model.get_submodule(layer.path).named_parameters()
-    }
-    plain = [n for n, p in model.named_parameters() if p.requires_grad and n not in sharded]
-    if plain:
-        raise InputSpecError(
-            f"model '{name}': with --tp {plan.tp} alone, parameter '{plain[0]}' (and {len(plain) - 1} more) stays a plain tensor "
-            f"beside the tensor-parallel layers' DTensors, and the {impl} optimizer refuses that mix in a real run too; pass "
-            "--optimizer-impl for-loop (optimizer_impl='for-loop'), add --fsdp N (FSDP2 makes every parameter a DTensor), "
-            "or give those modules a style in the plan."
-        )
-
-
-def _fsdp_units(model: nn.Module, units: Iterable[str] | None, name: str) -> tuple[str, ...]:
-    """FSDP2's units: ``units``, else each repeated block; checked against the model."""
-    chosen = tuple(units) if units is not None else fsdp_units(model)
-    modules = dict(model.named_modules())
-    missing = [u for u in chosen if not isinstance(u, str) or u not in modules or not u]
-    if missing:
-        raise InputSpecError(
-            f"model '{name}': FSDP unit {missing[0]!r} is not a submodule path of the model; name modules such as "
-            f"{', '.join(repr(u) for u in fsdp_units(model)[:3]) or repr(next(iter(modules), ''))}."
-        )
-    return chosen
+@contextlib.contextmanager
+def _train_mode(*modules: nn.Module) -> Iterator[None]:
+    """``modules`` in train mode while a pass runs, as the step does, and each one's ``training`` flag
+    as it was after: a traced graph calls the caller's own modules, which ``analyze`` returns in the
+    mode they came in, and a pass the report makes later (a batch asked for) still runs the training step."""
+    modes = [(m, m.training) for module in modules for m in module.modules()]
+    for m, _ in modes:
+        m.training = True  # not ``train()``: an exported graph's module refuses it
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def _silent(_message: str) -> None:

@@ -1,50 +1,130 @@
-"""The command line: ``fxmem analyze``, ``measure``, ``timeline``, ``zoo``. The only module that prints.
+"""The command line: ``fxmem analyze``, ``measure``, ``timeline``, ``plan``, ``zoo``. The only module that prints.
 
 Every mistake a user can make ends the same way: one line on stderr starting ``fxmem: error:``, exit
-status 2, no traceback. That covers FxmemError from the library and argparse's own usage errors.
-Ctrl-C exits 130 with one line. Any other exception is a bug in fxmem and shows its traceback (exit 1).
-Stages that run long show progress on stderr; see ``_Progress``.
+status 2, no traceback. That covers FxmemError from the library and argparse's own usage errors (a
+mistyped option or command names the nearest one, ``_parse``). Ctrl-C exits 130 with one line. Any
+other exception is a bug in fxmem and shows its traceback (exit 1). Stages that run long show progress
+on stderr; see ``_Progress``. torch's own log lines and warnings are held back unless ``-v``; fxmem's
+notes always show (``_run``).
+
+Note [A parser without torch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``fxmem --help``, ``--version`` and a usage error need only the parser, while importing torch and the
+engine takes seconds (benchmarks/cli_speed.py measures both). So this module imports at its top only
+what the parser needs: fxmem.choices (copies of the registries' names, which tests/test_cli.py holds
+equal to the registries) and fxmem.errors; ``import fxmem`` itself is lazy (fxmem/__init__.py). The
+names the commands use (``_ENGINE``) are bound into this module's globals by ``_load_engine`` when a
+command starts; before that, ``cli.analyze`` resolves through the module's ``__getattr__``, so that a
+test can patch it as before. mypy reads them from the TYPE_CHECKING block.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import difflib
+import importlib
 import json
+import logging
 import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-import torch
-from tabulate import tabulate
-
-from fxmem.api import analyze
-from fxmem.cost.tradeoff import BN_THRESHOLD
-from fxmem.engine.losses import LOSSES
+from fxmem import __version__
+from fxmem.choices import (
+    AMP_DTYPES,
+    BF16_WEIGHT_RECIPES,
+    BN_THRESHOLD,
+    DEFAULT_GPU,
+    DEFAULT_LEVERS,
+    FORMATS,
+    FRONTENDS,
+    GPUS,
+    IMPLS,
+    LEVERS,
+    LOSSES,
+    MAX_ROWS,
+    OPTIMIZERS,
+    RECIPES,
+    SCHEDULES,
+    SHARDS,
+    TARGETS,
+)
 from fxmem.errors import FxmemError, FxmemWarning, InputSpecError
-from fxmem.frontends.load import load_leaf_types, load_model
-from fxmem.frontends.tracing import FRONTENDS
-from fxmem.gpu.gpus import GPUS
-from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse_inputs, parse_size
-from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
-from fxmem.measure_ranks import measure_ranks
-from fxmem.output.pipeline import render_pipeline
-from fxmem.output.render import FORMATS, MAX_ROWS, format_bytes, render, render_timeline
-from fxmem.parallel import default_tp_plan
-from fxmem.planner.search import DEFAULT_LEVERS, LEVERS
-from fxmem.report import Report
-from fxmem.results import ModelSpec, Peak
-from fxmem.rules.optimizers import OPTIMIZERS
-from fxmem.step.precision import RECIPES
-from fxmem.step.state import get_optimizer
-from fxmem.step.training import AMP_DTYPES, DEFAULT_GPU, IMPLS, SHARDS, TARGETS
+
+if TYPE_CHECKING:
+    import torch
+    from tabulate import tabulate
+
+    from fxmem.api import analyze
+    from fxmem.frontends.load import load_leaf_types, load_model
+    from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse_inputs, parse_size
+    from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
+    from fxmem.measure_ranks import measure_ranks
+    from fxmem.output.pipeline import render_pipeline
+    from fxmem.output.render import format_bytes, render, render_timeline
+    from fxmem.parallel import default_tp_plan
+    from fxmem.report import Report
+    from fxmem.results import ModelSpec, Peak
+    from fxmem.step.state import get_optimizer
 
 __all__ = ["main"]
+
+_ENGINE: dict[str, tuple[str, str | None]] = {
+    "torch": ("torch", None),
+    "tabulate": ("tabulate", "tabulate"),
+    "analyze": ("fxmem.api", "analyze"),
+    "load_leaf_types": ("fxmem.frontends.load", "load_leaf_types"),
+    "load_model": ("fxmem.frontends.load", "load_model"),
+    "Constant": ("fxmem.inputs", "Constant"),
+    "has_seq": ("fxmem.inputs", "has_seq"),
+    "looks_like_shape": ("fxmem.inputs", "looks_like_shape"),
+    "parse_dtype": ("fxmem.inputs", "parse_dtype"),
+    "parse_inputs": ("fxmem.inputs", "parse_inputs"),
+    "parse_size": ("fxmem.inputs", "parse_size"),
+    "materialize": ("fxmem.measure", "materialize"),
+    "measure": ("fxmem.measure", "measure"),
+    "measure_peak": ("fxmem.measure", "measure_peak"),
+    "measure_ranks": ("fxmem.measure_ranks", "measure_ranks"),
+    "render_pipeline": ("fxmem.output.pipeline", "render_pipeline"),
+    "format_bytes": ("fxmem.output.render", "format_bytes"),
+    "render": ("fxmem.output.render", "render"),
+    "render_timeline": ("fxmem.output.render", "render_timeline"),
+    "default_tp_plan": ("fxmem.parallel", "default_tp_plan"),
+    "ModelSpec": ("fxmem.results", "ModelSpec"),
+    "get_optimizer": ("fxmem.step.state", "get_optimizer"),
+}
+"""The names the commands use, each (module, attribute; None for the module itself), bound on first use
+(Note [A parser without torch])."""
+
+
+def _engine_name(name: str) -> Any:
+    module, attribute = _ENGINE[name]
+    imported = importlib.import_module(module)
+    return imported if attribute is None else getattr(imported, attribute)
+
+
+def _load_engine() -> None:
+    """Bind every name of ``_ENGINE`` not bound yet (one a test patched stays patched)."""
+    for name in _ENGINE:
+        if name not in globals():
+            globals()[name] = _engine_name(name)
+
+
+def __getattr__(name: str) -> Any:
+    """``cli.analyze`` and the other ``_ENGINE`` names before a command has bound them (PEP 562)."""
+    if name not in _ENGINE:
+        raise AttributeError(f"module '{__name__}' has no attribute '{name}'")
+    value = globals()[name] = _engine_name(name)
+    return value
+
 
 _SECURITY = (
     "Security: a package.module:factory or path/to/file.py:factory spec imports and RUNS that code with your "
@@ -107,42 +187,74 @@ def _depth(text: str) -> int | str:
     return _depth_number(text)
 
 
-def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("spec", help=f"the model: {_SPEC_HELP}")
-    p.add_argument("--input", action="append", metavar="SHAPE", help="an input shape with B on the batch axis, e.g. B,3,224,224 or input_ids=B,1024:int64; repeat for several inputs (default: the model's own)")
-    p.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a forward() keyword argument that is not a tensor, passed through unchanged: a JSON or Python literal (true, 0.5, null, [1, 2]), else a string, e.g. --arg return_loss=true; repeat for several")
-    p.add_argument("--loss", choices=list(LOSSES), help="the loss of the step (default: the model's own, else sum)")
-    p.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
-    p.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
-    p.add_argument("--seq-len", type=_positive_int, metavar="S", help="the length a symbolic sequence axis S (--input B,S:int64) is evaluated at; for hf: specs also the length of the default inputs (default: the config's context, at most 2048)")
-    p.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
-    p.add_argument("--checkpoint", action="store_true", help="hf: specs: turn on transformers' activation checkpointing (every layer, non-reentrant)")
+@dataclass(frozen=True)
+class _Groups:
+    """A command's options in the order its --help lists them, the common ones first (issue 36): the
+    model and its inputs; the batch, the device and the verdict; the training setup; parallelism; the rest."""
+
+    model: Any
+    verdict: Any
+    training: Any
+    parallel: Any
+    advanced: Any
+
+    @classmethod
+    def of(cls, p: argparse.ArgumentParser, verdict: str = "batch, device and verdict", training: str = "training setup") -> _Groups:
+        titles = ("model and inputs", verdict, training, "parallelism", "advanced")
+        return cls(*(p.add_argument_group(title) for title in titles))
 
 
-def _setup_options(p: argparse.ArgumentParser, target: str = "cuda") -> None:
-    """Where and how the step runs: target device and GPU, autocast, precision, sharding."""
-    g = p.add_argument_group("training setup")
-    g.add_argument("--target", choices=TARGETS, default=target, help=f"the device the step runs on (default {target}): cuda predicts what the GPU keeps (its kernels, caching allocator and fixed costs); cpu is what 'fxmem measure' checks exactly")
-    g.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU}); or any other, described from its datasheet as KEY=VALUE pairs, e.g. --gpu memory=12GiB,cc=8.6,bandwidth=360GB/s,fp32=12.7,fp16=51: memory (best the total nvidia-smi shows), cc (compute capability), bandwidth (GB/s or TB/s) and fp32 required; tf32, bf16, fp16, fp8 and label optional; rates in dense TFLOPS (half a datasheet's 'with sparsity' figure)")
-    g.add_argument("--amp", choices=list(AMP_DTYPES), help="run the forward and the loss under autocast in this dtype, with the target's cast policy")
-    g.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {r.summary}' for k, r in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(k for k, r in RECIPES.items() if r.weight_dtype == torch.bfloat16)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights")
-    g.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
-    g.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
-    g.add_argument("--fsdp", type=_positive_int, default=1, metavar="N", help="simulate one rank of FSDP2 over N ranks: fully_shard itself runs on a fake process group (each repeated block a unit, then the root); --batch is the rank's micro-batch. The same as --world-size N --shard fsdp")
-    g.add_argument("--fsdp-unit", action="append", metavar="PATH", help="with --fsdp: a module fully_shard wraps as a unit (repeat for several; default each repeated block)")
-    g.add_argument("--tp", type=_positive_int, default=1, metavar="T", help="simulate one rank of tensor parallel over T ranks: parallelize_module itself runs on a fake process group, with the model's own plan (a HF model's _tp_plan) or --tp-plan; with --fsdp N, one rank of an N x T mesh")
-    g.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: give the module at PATH (* one path component, e.g. layers.*.mlp.up_proj) a style: colwise or rowwise (also colwise_gather_output, embedding_rowwise, and for sequence parallel sequence_parallel, sequence_parallel_gather_output, colwise_gather_input, rowwise_scatter_output, sequence_shard_input); repeat for each; default the model's own plan")
-    g.add_argument("--sp", action="store_true", help="with --tp: sequence parallel, the model's own plan for it (the norms and the residual stream split along the sequence between the tensor-parallel layers)")
-    g.add_argument("--pp", type=_positive_int, default=1, metavar="P", help="simulate every rank of pipeline parallel over P stages: the repeated blocks split into P contiguous stages (the embeddings on the first, the head and the loss on the last), torch's own schedule run on a fake process group; --batch is the microbatch; with --fsdp N and --tp T, each stage sharded by FSDP2 and tensor parallel too (P x N x T ranks)")
-    g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M", help="with --pp: microbatches per step (a step takes M x --batch samples)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved runs --stages-per-rank stages per rank, ScheduleInterleaved1F1B)")
-    g.add_argument("--stages-per-rank", type=_positive_int, default=None, metavar="V", help="with --pp and --schedule interleaved: stages on each rank, V x P in all (default 2)")
-    g.add_argument("--pp-split", action="append", type=int, metavar="BLOCK", help="with --pp: the first block of each stage after the first (repeat P - 1 times, V x P - 1 with --schedule interleaved; default as even as the blocks allow)")
-    g.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
-    g.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
-    g.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
-    g.add_argument("--alloc-conf", default="", metavar="CONF", help="with --target cuda: PYTORCH_CUDA_ALLOC_CONF as your job sets it, e.g. expandable_segments:True or max_split_size_mb:512,garbage_collection_threshold:0.6 (default: torch's defaults); the step is replayed through the caching allocator so set up")
-    g.add_argument("--memory-fraction", type=float, metavar="F", help="with --target cuda: torch.cuda.set_per_process_memory_fraction(F) as your job calls it: reserved memory may not pass F x the device's memory")
+def _model_options(g: _Groups) -> None:
+    m = g.model
+    m.add_argument("spec", help=f"the model: {_SPEC_HELP}")
+    m.add_argument("--input", action="append", metavar="SHAPE", help="an input shape with B on the batch axis, e.g. B,3,224,224 or input_ids=B,1024:int64; repeat for several inputs (default: the model's own)")
+    m.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE", help="a forward() keyword argument that is not a tensor, passed through unchanged: a JSON or Python literal (true, 0.5, null, [1, 2]), else a string, e.g. --arg return_loss=true; repeat for several")
+    m.add_argument("--loss", choices=LOSSES, help="the loss of the step (default: the model's own, else sum)")
+    m.add_argument("--seq-len", type=_positive_int, metavar="S", help="the length a symbolic sequence axis S (--input B,S:int64) is evaluated at; for hf: specs also the length of the default inputs (default: the config's context, at most 2048)")
+    m.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
+    m.add_argument("--checkpoint", action="store_true", help="hf: specs: turn on transformers' activation checkpointing (every layer, non-reentrant)")
+    g.advanced.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
+    g.advanced.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
+
+
+def _gpu_help(target: str | None) -> tuple[str, str]:
+    default = f"default {target}" if target else "default cuda where this machine has a GPU, else cpu"
+    target_help = f"the device the step runs on ({default}): cuda predicts what the GPU keeps (its kernels, caching allocator and fixed costs); cpu is what 'fxmem measure' checks exactly"
+    gpu_help = f"with --target cuda: the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU}); or any other, described from its datasheet as KEY=VALUE pairs, e.g. --gpu memory=12GiB,cc=8.6,bandwidth=360GB/s,fp32=12.7,fp16=51: memory (best the total nvidia-smi shows), cc (compute capability), bandwidth (GB/s or TB/s) and fp32 required; tf32, bf16, fp16, fp8 and label optional; rates in dense TFLOPS (half a datasheet's 'with sparsity' figure)"
+    return target_help, gpu_help
+
+
+def _setup_options(g: _Groups, target: str | None = "cuda") -> None:
+    """Where and how the step runs: GPU and target device, autocast, precision, parallelism, CUDA's settings.
+    ``target`` None: cuda where this machine has a GPU, else cpu (``measure``; resolved in ``_run``)."""
+    target_help, gpu_help = _gpu_help(target)
+    g.verdict.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=gpu_help)
+    g.verdict.add_argument("--target", choices=TARGETS, default=target, help=target_help)
+    t = g.training
+    t.add_argument("--amp", choices=AMP_DTYPES, help="run the forward and the loss under autocast in this dtype, with the target's cast policy")
+    t.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {summary}' for k, summary in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(BF16_WEIGHT_RECIPES)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights")
+    t.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
+    _parallel_options(g.parallel)
+    a = g.advanced
+    a.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
+    a.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
+    a.add_argument("--alloc-conf", default="", metavar="CONF", help="with --target cuda: PYTORCH_CUDA_ALLOC_CONF as your job sets it, e.g. expandable_segments:True or max_split_size_mb:512,garbage_collection_threshold:0.6 (default: torch's defaults); the step is replayed through the caching allocator so set up")
+    a.add_argument("--memory-fraction", type=float, metavar="F", help="with --target cuda: torch.cuda.set_per_process_memory_fraction(F) as your job calls it: reserved memory may not pass F x the device's memory")
+
+
+def _parallel_options(p: Any) -> None:
+    p.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
+    p.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
+    p.add_argument("--fsdp", type=_positive_int, default=1, metavar="N", help="simulate one rank of FSDP2 over N ranks: fully_shard itself runs on a fake process group (each repeated block a unit, then the root); --batch is the rank's micro-batch. The same as --world-size N --shard fsdp")
+    p.add_argument("--fsdp-unit", action="append", metavar="PATH", help="with --fsdp: a module fully_shard wraps as a unit (repeat for several; default each repeated block)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="T", help="simulate one rank of tensor parallel over T ranks: parallelize_module itself runs on a fake process group, with the model's own plan (a HF model's _tp_plan) or --tp-plan; with --fsdp N, one rank of an N x T mesh")
+    p.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: give the module at PATH (* one path component, e.g. layers.*.mlp.up_proj) a style: colwise or rowwise (also colwise_gather_output, embedding_rowwise, and for sequence parallel sequence_parallel, sequence_parallel_gather_output, colwise_gather_input, rowwise_scatter_output, sequence_shard_input); repeat for each; default the model's own plan")
+    p.add_argument("--sp", action="store_true", help="with --tp: sequence parallel, the model's own plan for it (the norms and the residual stream split along the sequence between the tensor-parallel layers)")
+    p.add_argument("--pp", type=_positive_int, default=1, metavar="P", help="simulate every rank of pipeline parallel over P stages: the repeated blocks split into P contiguous stages (the embeddings on the first, the head and the loss on the last), torch's own schedule run on a fake process group; --batch is the microbatch; with --fsdp N and --tp T, each stage sharded by FSDP2 and tensor parallel too (P x N x T ranks)")
+    p.add_argument("--microbatches", type=_positive_int, default=1, metavar="M", help="with --pp: microbatches per step (a step takes M x --batch samples)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="with --pp: torch's pipeline schedule (default 1f1b; interleaved runs --stages-per-rank stages per rank, ScheduleInterleaved1F1B)")
+    p.add_argument("--stages-per-rank", type=_positive_int, default=None, metavar="V", help="with --pp and --schedule interleaved: stages on each rank, V x P in all (default 2)")
+    p.add_argument("--pp-split", action="append", type=int, metavar="BLOCK", help="with --pp: the first block of each stage after the first (repeat P - 1 times, V x P - 1 with --schedule interleaved; default as even as the blocks allow)")
 
 
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,6 +271,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
         "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "pp_splits": args.pp_split,
         "stages_per_rank": args.stages_per_rank, "alloc_conf": args.alloc_conf, "memory_fraction": args.memory_fraction,
+        "_flags": True,  # a note names the setting as its flag (--world-size), not as the API's field
     }  # fmt: skip
 
 
@@ -182,57 +295,133 @@ def _tp_plan(items: list[str] | None) -> dict[str, str] | None:
     return plan
 
 
+def _version() -> str:
+    """``fxmem --version``: read from the installed packages' metadata, so torch is named but not imported."""
+    try:
+        torch_version = f"torch {version('torch')}"
+    except PackageNotFoundError:
+        torch_version = "torch not installed"
+    return f"fxmem {__version__} ({torch_version}, not imported)"
+
+
+def _command(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand's parser, with -v/--verbose beside -h."""
+    usage = "%(prog)s [-h] [-v]" if name == "zoo" else "%(prog)s [-h] [-v] spec [options]"  # the groups below list the options in order
+    p: argparse.ArgumentParser = sub.add_parser(name, usage=usage, **kwargs)
+    p.add_argument("-v", "--verbose", action="store_true", help="also show torch's own log lines and warnings, which fxmem otherwise holds back (its own notes always show)")
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fxmem", description="How much memory one training step of a PyTorch model needs, per layer, at every batch size.", epilog=_SECURITY)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    a = sub.add_parser("analyze", help="predict activations (a*B + c per layer), model state, totals and the batch that fits",
-                       description="Predict the memory of one training step, from fake tensors: no weights, no data, no GPU.", epilog=_SECURITY)  # fmt: skip
-    _model_options(a)
-    a.add_argument("--batch", type=_positive_int, default=32, help="the batch size to evaluate at (default 32)")
-    a.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
-    a.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
-    a.add_argument("--device-memory", metavar="SIZE", help="device memory with its unit, e.g. 80GiB or 24GB (a bare number is an error): report the largest batch that fits")
-    a.add_argument("--depth", type=_depth, metavar="K|all", help=f"group layers by module path truncated to K components, or 'all' for every module path (default: the deepest grouping with at most {MAX_ROWS} rows, full paths with --top; JSON and CSV: every module path)")
-    a.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
-    a.add_argument("--format", choices=FORMATS, default="table")
-    a.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
-    a.add_argument("--check", action="store_true", help=f"make the exit status the verdict, for scripts and CI: 0 when --batch fits the device, {EXIT_DOES_NOT_FIT} when it does not (2 stays an error)")
-    a.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
-    a.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
-    a.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained web page (module tree, the step's memory over time, the batch trade-off); open it in any browser")
-    a.add_argument("--bn-threshold", type=int, default=BN_THRESHOLD, metavar="N", help=f"warn about batch-norm statistics when the per-GPU batch (chosen, or the largest that fits) is under N (default {BN_THRESHOLD})")
-    _setup_options(a)
-    m = sub.add_parser("measure", help="run one real forward (or, with --peak, a whole step) on the CPU and print measured beside predicted",
-                       description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
-                       "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
-    _model_options(m)
-    m.add_argument("--batch", type=_positive_int, default=2, help="the batch size of the real run (default 2)")
-    m.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step instead of the saved activations: with torch.profiler on the CPU, or torch.cuda.max_memory_allocated where CUDA is present")
-    m.add_argument("--optimizer", default="adamw", help="with --peak: the optimizer of the step (default adamw)")
-    m.add_argument("--first-step", action="store_true", help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)")
-    _setup_options(m, target="cuda" if torch.cuda.is_available() else "cpu")
-    t = sub.add_parser("timeline", help="simulate one training step and show its memory over time, phase by phase",
-                       description="Simulate one training step on fake tensors and show its memory phase by phase: where it peaks and what is alive there.", epilog=_SECURITY)  # fmt: skip
-    _model_options(t)
-    t.add_argument("--batch", type=_positive_int, default=32, help="the batch size (default 32)")
-    t.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
-    t.add_argument("--first-step", action="store_true", help="the first step, which creates the optimizer state (default: a steady step)")
-    t.add_argument("--plot", metavar="FILE.png", help="draw the memory over time by category (needs matplotlib: pip install 'fxmem[plot]')")
-    _setup_options(t)
-    pl = sub.add_parser("plan", help="search the levers (micro-batch, precision, optimizer implementation, checkpointing, sharding) for the fastest step that fits",
-                        description="Find the training configurations whose step fits the GPU, fastest first, each simulated in full; or how far the closest falls short.", epilog=_SECURITY)  # fmt: skip
-    _model_options(pl)
-    pl.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU}); or any other described from its datasheet, e.g. --gpu memory=12GiB,cc=8.6,bandwidth=360GB/s,fp32=12.7,fp16=51 (the keys: see fxmem analyze --help)")
-    pl.add_argument("--target", choices=TARGETS, default="cuda", help="cuda (the GPU's kernels, allocator and fixed costs), or cpu to plan for this machine, where --verify measures the plan")
-    pl.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs to train on: with N > 1 the planner also tries FSDP2 and FSDP2 x tensor parallel")
-    pl.add_argument("--memory", metavar="SIZE", help="memory per GPU to fit in, e.g. 40GiB (default: the GPU's)")
-    pl.add_argument("--global-batch", type=_positive_int, metavar="G", help="samples per optimizer step, reached by micro-batch x accumulation x data-parallel GPUs (default: the largest micro-batch that fits)")
-    pl.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but optimizer: a leaner optimizer changes the training)")
-    pl.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS.rules())} (default adamw)")
-    pl.add_argument("--emit", metavar="FILE.py", help="write a runnable file that applies the best configuration (optimizer, autocast, accumulation, checkpointing)")
-    pl.add_argument("--verify", action="store_true", help="with --target cpu: apply the best configuration to the real model and measure one real step (a sharded one on as many real gloo processes)")
-    sub.add_parser("zoo", help="list the zoo's models with their parameters and default inputs")
+    _analyze_parser(sub)
+    _measure_parser(sub)
+    _timeline_parser(sub)
+    _plan_parser(sub)
+    _command(sub, "zoo", help="list the zoo's models with their parameters and default inputs")
     return parser
+
+
+def _analyze_parser(sub: Any) -> None:
+    a = _command(sub, "analyze", help="predict activations (a*B + c per layer), model state, totals and the batch that fits",
+                 description="Predict the memory of one training step, from fake tensors: no weights, no data, no GPU.", epilog=_SECURITY)  # fmt: skip
+    g = _Groups.of(a, verdict="batch, device, verdict and output")
+    _model_options(g)
+    g.verdict.add_argument("--batch", type=_positive_int, default=32, help="the batch size to evaluate at (default 32)")
+    _setup_options(g)
+    v = g.verdict
+    v.add_argument("--device-memory", metavar="SIZE", help="device memory with its unit, e.g. 80GiB or 24GB (a bare number is an error): report the largest batch that fits")
+    v.add_argument("--check", action="store_true", help=f"make the exit status the verdict, for scripts and CI: 0 when --batch fits the device, {EXIT_DOES_NOT_FIT} when it does not (2 stays an error)")
+    v.add_argument("--format", choices=FORMATS, default="table", help="how the report is printed (default table); json keeps stdout pure JSON, notes going to stderr")
+    v.add_argument("--depth", type=_depth, metavar="K|all", help=f"group layers by module path truncated to K components, or 'all' for every module path (default: the deepest grouping with at most {MAX_ROWS} rows, full paths with --top; JSON and CSV: every module path)")
+    v.add_argument("--top", type=_positive_int, metavar="K", help="show only the K layers that hold the most activation memory")
+    v.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
+    v.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained web page (module tree, the step's memory over time, the batch trade-off); open it in any browser")
+    g.training.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    g.training.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
+    g.advanced.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
+    g.advanced.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
+    g.advanced.add_argument("--bn-threshold", type=int, default=BN_THRESHOLD, metavar="N", help=f"warn about batch-norm statistics when the per-GPU batch (chosen, or the largest that fits) is under N (default {BN_THRESHOLD})")
+
+
+def _measure_parser(sub: Any) -> None:
+    m = _command(sub, "measure", help="run one real forward (or, with --peak, a whole step) on the CPU and print measured beside predicted",
+                 description="Run the model for real on the CPU with random weights, and compare with the prediction. This "
+                 "allocates the real weights and activations in RAM: use a small config such as zoo:NAME:test.", epilog=_SECURITY)  # fmt: skip
+    g = _Groups.of(m, verdict="batch and device")
+    _model_options(g)
+    g.verdict.add_argument("--batch", type=_positive_int, default=2, help="the batch size of the real run (default 2)")
+    g.verdict.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step instead of the saved activations: with torch.profiler on the CPU, or torch.cuda.max_memory_allocated where CUDA is present")
+    g.training.add_argument("--optimizer", default="adamw", help="with --peak: the optimizer of the step (default adamw)")
+    g.training.add_argument("--first-step", action="store_true", help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)")
+    _setup_options(g, target=None)
+
+
+def _timeline_parser(sub: Any) -> None:
+    t = _command(sub, "timeline", help="simulate one training step and show its memory over time, phase by phase",
+                 description="Simulate one training step on fake tensors and show its memory phase by phase: where it peaks and what is alive there.", epilog=_SECURITY)  # fmt: skip
+    g = _Groups.of(t, verdict="batch, device and output")
+    _model_options(g)
+    g.verdict.add_argument("--batch", type=_positive_int, default=32, help="the batch size (default 32)")
+    g.training.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    g.training.add_argument("--first-step", action="store_true", help="the first step, which creates the optimizer state (default: a steady step)")
+    _setup_options(g)
+    g.verdict.add_argument("--plot", metavar="FILE.png", help="draw the memory over time by category (needs matplotlib: pip install 'fxmem[plot]')")
+
+
+def _plan_parser(sub: Any) -> None:
+    pl = _command(sub, "plan", help="search the levers (micro-batch, precision, optimizer implementation, checkpointing, sharding) for the fastest step that fits",
+                  description="Find the training configurations whose step fits the GPU, fastest first, each simulated in full; or how far the closest falls short.", epilog=_SECURITY)  # fmt: skip
+    g = _Groups.of(pl, verdict="GPUs and budget", training="the search and its output")
+    _model_options(g)
+    v = g.verdict
+    v.add_argument("--gpu", default=DEFAULT_GPU, metavar="NAME", help=f"the GPU, one of {', '.join(GPUS)} (default {DEFAULT_GPU}); or any other described from its datasheet, e.g. --gpu memory=12GiB,cc=8.6,bandwidth=360GB/s,fp32=12.7,fp16=51 (the keys: see fxmem analyze --help)")
+    v.add_argument("--target", choices=TARGETS, default="cuda", help="cuda (the GPU's kernels, allocator and fixed costs), or cpu to plan for this machine, where --verify measures the plan")
+    v.add_argument("--gpus", type=_positive_int, default=1, metavar="N", help="GPUs to train on: with N > 1 the planner also tries FSDP2 and FSDP2 x tensor parallel")
+    v.add_argument("--memory", metavar="SIZE", help="memory per GPU to fit in, e.g. 40GiB (default: the GPU's)")
+    v.add_argument("--global-batch", type=_positive_int, metavar="G", help="samples per optimizer step, reached by micro-batch x accumulation x data-parallel GPUs (default: the largest micro-batch that fits)")
+    s = g.training
+    s.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but optimizer: a leaner optimizer changes the training)")
+    s.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    s.add_argument("--emit", metavar="FILE.py", help="write a runnable file that applies the best configuration (optimizer, autocast, accumulation, checkpointing)")
+    s.add_argument("--verify", action="store_true", help="with --target cpu: apply the best configuration to the real model and measure one real step (a sharded one on as many real gloo processes)")
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, where a mistyped command or option names the nearest one (difflib) instead of a bare
+    'unrecognized arguments' from the top-level parser."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    commands = _commands(parser)
+    if words and not words[0].startswith("-") and words[0] not in commands:
+        choose = f"argument COMMAND: invalid choice: '{words[0]}' (choose from {', '.join(commands)})"  # argparse's words
+        raise _UsageError(choose + _did_you_mean(words[0], list(commands)), parser.prog)
+    args, extras = parser.parse_known_args(words)
+    if extras:
+        command = commands.get(args.command, parser)
+        raise _UsageError(_unrecognized(extras, command), command.prog)
+    return args
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _unrecognized(extras: Sequence[str], parser: argparse.ArgumentParser) -> str:
+    """'unrecognized argument --bach; did you mean --batch?': the first unknown option beside the
+    command's nearest one; stray values alone keep argparse's wording."""
+    options = [e.partition("=")[0] for e in extras if e.startswith("--") or (e.startswith("-") and not e[1:2].isdigit())]
+    if not options:
+        return f"unrecognized arguments: {' '.join(extras)}"
+    known = [s for s in parser._option_string_actions if s.startswith("--")]
+    return f"unrecognized argument {options[0]}{_did_you_mean(options[0], known)}"
+
+
+def _did_you_mean(typed: str, known: Sequence[str]) -> str:
+    near = difflib.get_close_matches(typed, known, n=1, cutoff=0.6)
+    return f"; did you mean {near[0]}?" if near else ""
 
 
 class _Progress:
@@ -361,19 +550,21 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     text = render(report, args.format, depth=args.depth, top=args.top)
     if report.pipeline is not None and args.format in ("table", "markdown"):  # every rank of --pp beside the highest one's step
         text += "\n" + render_pipeline(report.pipeline, report.batch, report.seq_len)
+    wrote = []
     if args.plot:
         from fxmem.output.plot import plot_batches
 
         say(f"drawing {args.plot}")
         plot_batches(report, args.plot)
-        if args.format != "json":
-            text += f"\nWrote {args.plot}.\n"
+        wrote.append(args.plot)
     if args.html:
         say(f"writing {args.html}")
         _write_page(args.html, report.to_html())
-        if args.format != "json":
-            text += f"\nWrote {args.html}.\n"
-    return _Output(text, EXIT_DOES_NOT_FIT if args.check and not report.fits() else 0)
+        wrote.append(args.html)
+    if args.format != "json":  # JSON keeps stdout to the report: main says what it wrote on stderr
+        text += "".join(f"\nWrote {path}.\n" for path in wrote)
+        wrote = []
+    return _Output(text, EXIT_DOES_NOT_FIT if args.check and not report.fits() else 0, tuple(wrote))
 
 
 EXIT_DOES_NOT_FIT = 3
@@ -386,6 +577,29 @@ class _Output:
 
     text: str
     status: int = 0
+    wrote: tuple[str, ...] = ()
+    """Files written whose 'fxmem: wrote FILE' goes to stderr (``--format json``: stdout is the report alone)."""
+
+
+_OUTPUTS = {"html": "--html: cannot write the page", "plot": "cannot write the picture (--plot)", "emit": "--emit: cannot write the code"}
+"""The options that name a file a command writes, and how an error about it starts (as the writers' own do)."""
+
+
+def _check_writable(args: argparse.Namespace) -> None:
+    """Fail before the analysis, which can take minutes, when --html, --plot or --emit names a file that
+    cannot be written: its folder is missing or read-only, or the path is a folder."""
+    for option, cannot_write in _OUTPUTS.items():
+        path = getattr(args, option, None)
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        cannot = f"{cannot_write} to '{path}':"
+        if not os.path.isdir(folder):
+            raise InputSpecError(f"{cannot} the folder '{folder}' does not exist; create it, or pick a path in an existing folder.")
+        if os.path.isdir(path):
+            raise InputSpecError(f"{cannot} it is a folder; name a file in it, e.g. {os.path.join(path, 'report' + Path(path).suffix)}.")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise InputSpecError(f"{cannot} permission denied; pick a path you can write.")
 
 
 def _write_page(path: str, page: str) -> None:
@@ -404,7 +618,7 @@ def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     leaves = load_leaf_types(args.leaf, spec.model)
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, batch=args.batch, name=args.spec, leaf_types=leaves,
-        frontend=args.frontend, seq_len=_analysis_seq_len(args, spec), progress=say, peak=False, target="cpu",
+        frontend=args.frontend, seq_len=_analysis_seq_len(args, spec), progress=say, peak=False, target="cpu", _flags=True,
     )  # fmt: skip
     say(f"running the model for real on the CPU at B={args.batch}")
     measured = measure(
@@ -436,6 +650,13 @@ def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer
         **_setup(args),
     )  # fmt: skip
     return spec, report
+
+
+def _default_target(args: argparse.Namespace) -> None:
+    """``measure`` runs where the machine can: cuda where it has a GPU, else cpu (the parser's default is
+    None so that --help need not import torch to ask)."""
+    if getattr(args, "target", "") is None:
+        args.target = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_measurable(args: argparse.Namespace) -> None:
@@ -595,7 +816,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     spec = _load(args, say)
     found = plan(
         spec.model, spec.inputs, gpu=args.gpu, target=args.target, gpus=args.gpus, memory=memory, global_batch=args.global_batch,
-        allow=levers, loss=spec.loss, optimizer=get_optimizer(args.optimizer).name, name=args.spec, seq_len=args.seq_len, progress=say,
+        allow=levers, loss=spec.loss, optimizer=get_optimizer(args.optimizer).name, name=args.spec, seq_len=_analysis_seq_len(args, spec), progress=say,
     )  # fmt: skip
     text = plan_table(found)
     if args.emit and found.best is not None:
@@ -603,7 +824,7 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         text += f"Wrote {args.emit}: the best configuration as code.\n"
     if args.verify and found.best is not None:
         say(f"running the best configuration for real on the CPU at micro-batch {found.best.micro_batch}")
-        v = verify(found.best, spec.model, spec.inputs, loss=spec.loss, seq_len=args.seq_len)
+        v = verify(found.best, spec.model, spec.inputs, loss=spec.loss, seq_len=_analysis_seq_len(args, spec))
         chosen = found.best.config.checkpoint
         saved = "" if v.measured_saved is None or chosen is None else f"; saved for backward {v.measured_saved} B measured, {chosen.saved_at_batch} B planned"
         ranks = f" (the highest of {len(v.ranks)} real ranks: {', '.join(str(r.peak) for r in v.ranks)} B)" if v.ranks else ""
@@ -621,15 +842,43 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str |
 
 
 def _run(args: argparse.Namespace) -> _Output:
+    _check_writable(args)
     progress = _Progress(sys.stderr)
     try:
         with warnings.catch_warnings():
+            if not args.verbose:
+                warnings.simplefilter("ignore")  # torch's UserWarnings and FutureWarnings, FSDP2's among them: -v shows them
             warnings.simplefilter("once", FxmemWarning)  # one note per message, however many analyses run
             warnings.showwarning = _note
-            out = _COMMANDS[args.command](args, progress)
+            _load_engine()  # inside: what importing torch and transformers warns is held back too
+            _default_target(args)
+            with _torch_logs(verbose=args.verbose):
+                out = _COMMANDS[args.command](args, progress)
             return out if isinstance(out, _Output) else _Output(out)
     finally:
         progress.close()
+
+
+@contextlib.contextmanager
+def _torch_logs(verbose: bool) -> Iterator[None]:
+    """torch's loggers at ERROR for the run, unless -v: their warnings ('W1205 ... Unable to find user
+    code corresponding to {u0}' from symbolic_shapes, export's and dynamo's notes) are about fxmem's own
+    tracing, which reports its outcome itself. torch configures its loggers when imported (torch._logging,
+    each with its own handler and level NOTSET under 'torch'), so the levels are raised after the import and
+    restored after the run."""
+    if verbose:
+        yield
+        return
+    names = ["torch", *(n for n in logging.root.manager.loggerDict if n.startswith("torch."))]
+    loggers = [logger for logger in map(logging.getLogger, names) if logger.name == "torch" or logger.level != logging.NOTSET]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.level, logging.ERROR))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _note(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None, line: str | None = None) -> None:
@@ -659,9 +908,10 @@ def _write(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fxmem`` script; returns the exit status."""
     try:
-        args = _parser().parse_args(argv)
+        args = _parse(_parser(), argv)
     except _UsageError as e:
-        return _error(f"{e}; see '{e.prog} --help'.")
+        message = str(e)
+        return _error(f"{message}{' ' if message.endswith('?') else '; '}see '{e.prog} --help'.")
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     if args.command is None:
@@ -673,4 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fxmem: interrupted (Ctrl-C); nothing was reported.", file=sys.stderr)
         return 130
-    return _write(out.text) or out.status
+    status = _write(out.text)
+    for path in out.wrote:
+        print(f"fxmem: wrote {path}", file=sys.stderr)
+    return status or out.status

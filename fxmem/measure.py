@@ -27,6 +27,7 @@ import contextlib
 import copy
 import os
 import sys
+import types
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -42,10 +43,11 @@ from fxmem.engine.account import node_bytes_at
 from fxmem.engine.capture import record_real
 from fxmem.engine.losses import Loss, get_loss
 from fxmem.engine.recompute import selective_caches
-from fxmem.errors import CaptureError, FxmemError
+from fxmem.errors import CaptureError, FxmemError, InputSpecError
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_input, parse_inputs, tensors_of
+from fxmem.options import Training, merge
 from fxmem.results import Phase
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.step.state import get_optimizer
@@ -73,7 +75,8 @@ def measure(
     inputs: InputSpecs,
     batch: int,
     *,
-    loss: str = "sum",
+    training: Training | None = None,
+    loss: str | None = None,
     seed: int = 0,
     leaf_types: tuple[type, ...] = (),
     frontend: str = "auto",
@@ -82,9 +85,11 @@ def measure(
     """Run the model for real on the CPU at ``batch`` and measure the activation bytes saved for backward.
 
     ``leaf_types`` and ``frontend`` must be the ones given to ``analyze`` so that the per-node split uses
-    the same graph.
+    the same graph. ``training`` (or the plain keyword ``loss``) gives the loss, as to ``analyze``; its
+    other fields shape the step's state, not what the forward saves in fp32, and must keep their defaults.
     """
     check_batch(batch)
+    loss = _measured(merge(training, Training, {"loss": loss}), "measure", ("loss",)).loss
     specs, loss_fn = parse_inputs(inputs), get_loss(loss)
     torch.manual_seed(seed)
     real = materialize(model).train()
@@ -209,8 +214,9 @@ def measure_peak(
     inputs: InputSpecs,
     batch: int,
     *,
-    loss: str = "sum",
-    optimizer: str = "adamw",
+    training: Training | None = None,
+    loss: str | None = None,
+    optimizer: str | None = None,
     first_step: bool = False,
     seed: int = 0,
     seq_len: int | None = None,
@@ -227,9 +233,14 @@ def measure_peak(
     comes from torch.profiler (Note [Reading the peak from the profiler]); with ``device="cuda"`` from
     ``torch.cuda.max_memory_allocated``, read per phase. ``amp`` ("bf16"/"fp16") runs the forward and
     the loss under ``torch.autocast`` on ``device``; ``optimizer_impl`` picks the optimizer's
-    implementation ("foreach", "fused", "for-loop"; None: torch's default).
+    implementation ("foreach", "fused", "for-loop"; None: torch's default). ``training`` gives these
+    as ``analyze`` takes them (``Training(loss=..., optimizer=..., amp=..., optimizer_impl=...)``);
+    a real run has no ``precision`` recipe or ``param_dtype`` to apply, so those keep their defaults.
     """
     check_batch(batch)
+    keywords = {"loss": loss, "optimizer": optimizer, "amp": amp, "optimizer_impl": optimizer_impl}
+    setup = _measured(merge(training, Training, keywords), "measure_peak", tuple(keywords))
+    loss, optimizer, amp, optimizer_impl = setup.loss, setup.optimizer, setup.amp, setup.optimizer_impl
     specs, loss_fn, rule = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
     autocast = _autocast(torch.device(device).type, amp)
     torch.manual_seed(seed)
@@ -265,6 +276,19 @@ def measure_peak(
     top, at, phase, tops = _highest(prof)
     phases = {p: baseline + t for p, t in tops.items()}
     return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at), None, phases)
+
+
+def _measured(training: Training, call: str, taken: tuple[str, ...]) -> Training:
+    """``training``, where the real run applies every field it sets (``taken``); else an InputSpecError."""
+    default = Training()
+    fields = ("loss", "optimizer", "optimizer_impl", "precision", "amp", "param_dtype")
+    extra = [f for f in fields if f not in taken and getattr(training, f) != getattr(default, f)]
+    if extra:
+        raise InputSpecError(
+            f"{call}() runs the model as it is and applies only Training's {', '.join(taken)}; Training.{extra[0]}="
+            f"{getattr(training, extra[0])!r} has no real form here: leave it at its default (cast the model yourself for a dtype)."
+        )
+    return training
 
 
 def _to(value: Any, device: str | torch.device) -> Any:
@@ -423,3 +447,22 @@ def _categories_at(prof: torch.profiler.profile, at: int) -> dict[str, int]:
     for label, size in live.values():
         split[label] += size
     return dict(split)
+
+
+# Note [fxmem.measure, module and function]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``fxmem.measure`` names both this module and the function above (``fxmem/__init__.py`` loads its public
+# names lazily, so that ``fxmem --help`` need not import torch). Importing the module (``from
+# fxmem.measure import measure_peak``, or any command that measures) makes the import system set the
+# package's attribute ``measure`` to the module, after which ``fxmem.measure(model, ...)`` would call a
+# module. So the module calls through to the function.
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as ``measure`` (Note [fxmem.measure, module and function])."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Measurement:
+        return measure(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -18,7 +18,7 @@ from fxmem.gpu.gpus import get_gpu
 from fxmem.inputs import InputSpec, check_batch
 from fxmem.output.html_report import to_html
 from fxmem.output.pipeline import render_pipeline
-from fxmem.output.render import Depth, group_layers, render, to_dict
+from fxmem.output.render import Depth, format_bytes, group_layers, render, to_dict
 from fxmem.results import Accounting, EnvelopePiece, LayerRow, NodeRecord, Peak, StateBytes, Timeline, Verdict
 from fxmem.symbolic import ByteExpr
 
@@ -26,6 +26,9 @@ __all__ = ["Report"]
 
 SCAN = 24
 """Batches replayed one by one on each side of the bisection's answer (Note [The largest batch])."""
+
+_REPR_INPUTS = 120
+"""The most characters of the inputs ``repr(report)`` shows: a model with many inputs keeps its repr one line."""
 
 _FAR_BATCH = 1 << 16
 """A batch far enough that anything growing with B has outgrown B=1's special cases."""
@@ -176,7 +179,8 @@ class Report:
     def verdict(self, budget_bytes: int | None = None, *, scan: int = SCAN) -> Verdict:
         """Which batches fit in ``budget_bytes`` (default ``device_memory``): Note [The largest batch].
         ``scan`` is how many batches each side of the bisection's answer are replayed one by one (the
-        planner, which compares many configurations, asks for none: its batch fits, the next does not)."""
+        planner, which compares many configurations, asks for none: its batch fits, the next does not).
+        Without ``budget_bytes`` or ``device_memory`` there is nothing to fit in: ``InputSpecError``."""
         budget = self._budget(budget_bytes)
         if (budget, scan) not in self._verdicts:
             self._verdicts[budget, scan] = self._judge(budget, scan)
@@ -266,7 +270,45 @@ class Report:
         return group_layers(self, depth)
 
     def to_dict(self) -> dict[str, object]:
+        """The JSON view (``fxmem analyze --format json``) as plain dicts, lists, strings and numbers.
+
+        Every byte count is an exact integer (bytes, not KiB), and a size that grows with the batch is
+        ``{"per_sample": a, "constant": c}`` for ``a*B + c``. The top-level keys: what was analyzed
+        (``model``, ``loss``, ``method``, ``frontend``, ``inputs``, ``seq_len``, ``target``), the bytes as
+        expressions (``input_bytes``, ``activations``, ``model_state``, ``per_gpu_state``, ``nodes``,
+        ``layers``: every module path), the figures at the report's batch (``at_batch``, ``peak``,
+        ``floor``), the answer (``device_memory``, ``fits``, ``max_batch``, ``max_batch_basis``,
+        ``verdict``), cost (``flops``, ``roofline``, ``tradeoff``), and the caveats (``batch_one_special``,
+        ``batch_one_error``, ``batchnorm``, ``unsupported``, ``checkpointed_regions``, ``linear_in_batch``,
+        ``pipeline``). A key that does not apply holds None (``fits`` without ``device_memory``, ``peak``
+        with ``peak=False``) rather than being left out. fxmem/output/render.py ``to_dict`` builds it.
+        """
         return to_dict(self)
+
+    def __repr__(self) -> str:
+        """One line, as torchinfo's summary object gives: the model, its inputs, the batch, the target,
+        whether the batch fits and the largest that does, and the peak; ``str(report)`` is the full report.
+
+        For example ``<Report Sequential (B,8:float32) at B=4 on cuda: NVIDIA H100 80GB SXM, precision fp32:
+        does not fit, no batch fits; peak 4.35 KiB>``.
+        """
+        inputs = ", ".join(str(s) for s in self.inputs)
+        inputs = inputs if len(inputs) <= _REPR_INPUTS else inputs[: _REPR_INPUTS - 3] + "..."
+        at = f"B={self.batch}" + (f", S={self.seq_len}" if self.seq_len is not None else "")
+        target = f" on {self.setup.describe()}" if self.setup is not None else ""
+        return f"<Report {self.model} ({inputs}) at {at}{target}: {self._brief_answer()}>"
+
+    def _brief_answer(self) -> str:
+        """The verdict and the peak in a few words, for ``__repr__``."""
+        if self.steps is None:
+            size = f"held {format_bytes(self.total_bytes(self.batch))} (step not simulated)"
+        else:
+            size = f"peak {format_bytes(self.peak().bytes)}"
+        if self.device_memory is None:
+            return f"no device memory to fit in; {size}"
+        v = self.verdict()
+        largest = "any batch fits" if v.unbounded else "no batch fits" if v.max_batch is None else f"largest batch {v.max_batch}"
+        return f"{'fits' if self.fits() else 'does not fit'}, {largest}; {size}"
 
     def __str__(self) -> str:
         """The terminal's report: the answer first, then the layers grouped to fit a screen (fxmem/output/render.py)."""

@@ -211,11 +211,12 @@ class Timeline:
     def exact_at(self, batch: int) -> bool:
         return all(check(batch) for check in self.checks) and all(check(batch) for check in self.corrected)
 
-    def at_batch(self, batch: int, seq: int | None) -> Timeline | None:
+    def at_batch(self, batch: int, seq: int | None, *, costs: bool = True) -> Timeline | None:
         """This symbolic step at a concrete ``batch`` (and ``seq``), its workspaces those of the kernels
         that run there: every size a number, as a step simulated at that batch has them. None where a
         check that no event can correct refuses the batch. See Note [A symbolic step at a batch where
-        another kernel runs]."""
+        another kernel runs]. ``costs=False`` leaves the ops' FLOPs and bytes moved out (an allocator
+        replay needs only the events: half the work)."""
         if not all(check(batch) for check in self.checks):
             return None
         done: dict[int, ByteExpr] = {}  # by identity: a deep step's copied events share their ByteExprs
@@ -236,7 +237,8 @@ class Timeline:
             if nbytes:  # a workspace of 0 is none, and one that is not there (None) neither
                 events.append(replace(e, nbytes=ByteExpr(fixed=nbytes), at_batch=None))
         costs = tuple(
-            OpCostRecord(c.phase, c.node, c.fqn, c.op, c.dtype, at(c.flops), at(c.read), at(c.written), c.has_formula) for c in self.costs
+            OpCostRecord(c.phase, c.node, c.fqn, c.op, c.dtype, at(c.flops), at(c.read), at(c.written), c.has_formula)
+            for c in (self.costs if costs else ())
         )
         return replace(
             self,

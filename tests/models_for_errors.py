@@ -182,3 +182,94 @@ class _BadCheckpoint(nn.Module):
 def bad_checkpoint_option() -> ModelSpec:
     """A checkpoint option torch rejects when the call runs (not while fx traces it)."""
     return ModelSpec(_BadCheckpoint(), ("B,8",))
+
+
+class _NeedsMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, mode: str) -> torch.Tensor:
+        y = self.lin(x)
+        if mode == "relu":
+            return torch.relu(y)
+        return y
+
+
+def needs_mode() -> ModelSpec:
+    """forward(x, mode) with a non-tensor 'mode' the default inputs do not give: --arg mode=relu."""
+    return ModelSpec(_NeedsMode(), ("B,8",))
+
+
+class _ExpectsRGB(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.shape[1] == 3, "expects RGB"
+        return self.conv(x)
+
+
+def expects_rgb() -> ModelSpec:
+    """An assert on the input's channels: B,1,8,8 fails it, B,3,8,8 passes."""
+    return ModelSpec(_ExpectsRGB(), ("B,3,8,8",))
+
+
+class _TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.wte(ids))
+
+
+def tiny_lm() -> ModelSpec:
+    """Embedding 'wte' of 32 ids: its input must be integer (B,16:int64)."""
+    return ModelSpec(_TinyLM(), ("B,16:int64",))
+
+
+class _FusedQKV(nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+def fused_qkv() -> ModelSpec:
+    """One Linear 'qkv' makes q, k and v, split on the last dim: colwise TP on it splits across q/k/v."""
+    return ModelSpec(_FusedQKV(), ("B,6,16",))
+
+
+class _ReturnsDict(nn.Module):
+    def __init__(self, with_loss: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.with_loss = with_loss
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.lin(x)
+        out = {"logits": logits, "hidden": x * 2}
+        if self.with_loss:
+            out["loss"] = logits.float().pow(2).mean()
+        return out
+
+
+def returns_dict() -> ModelSpec:
+    """forward() returns {'logits', 'hidden'}: the loss uses 'logits', and says so."""
+    return ModelSpec(_ReturnsDict(False), ("B,8",))
+
+
+def returns_dict_with_loss() -> ModelSpec:
+    """forward() returns {'logits', 'hidden', 'loss'}: with the model's own loss, 'loss' is it."""
+    return ModelSpec(_ReturnsDict(True), ("B,8",))

@@ -6,11 +6,14 @@ import csv
 import io
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import fxmem
 from fxmem import cli
 from fxmem.api import analyze
 from fxmem.frontends.load import load_model
@@ -44,6 +47,7 @@ def test_json_has_every_section(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_csv_rows_add_up_to_the_total(capsys: pytest.CaptureFixture[str]) -> None:
     rows = list(csv.reader(io.StringIO(run(capsys, "analyze", MLP, "--format", "csv", "--batch", "4"))))
+    rows = rows[rows.index([]) + 1 :]  # the layer table follows the summary rows and an empty row
     assert rows[0][:3] == ["Layer", "Op", "Output shape"] and rows[0][5] == "At B=4"
     *layers, total = rows[1:]
     assert total[0] == "Total activations"
@@ -234,3 +238,156 @@ def test_sizes_need_a_unit_except_zero() -> None:
         parse_size("80", "--memory")
     with pytest.raises(InputSpecError, match="'0' is 0 bytes; give a positive size"):
         parse_size("0", "--memory")
+
+
+# --- issue 36: a parser without torch, usage errors that name the nearest option, quiet runs ------------
+def _python(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_the_parser_imports_no_torch() -> None:
+    """--help, --version and a usage error answer without importing torch (Note [A parser without torch]);
+    benchmarks/cli_speed.py times them."""
+    check = "import sys, fxmem, fxmem.cli; fxmem.cli._parser().format_help(); assert 'torch' not in sys.modules, 'torch'"
+    done = _python("-c", check)
+    assert done.returncode == 0, done.stderr
+    version = _python("-m", "fxmem", "--version")
+    assert version.returncode == 0 and version.stdout.startswith(f"fxmem {fxmem.__version__} (torch "), version
+    assert "not imported" in version.stdout
+
+
+def test_the_parser_choices_equal_the_registries() -> None:
+    """Each torch-free copy in fxmem.choices equals the registry it names, so that neither changes alone."""
+    import torch
+
+    from fxmem import choices
+    from fxmem.cost.tradeoff import BN_THRESHOLD
+    from fxmem.engine.losses import LOSSES
+    from fxmem.frontends.tracing import FRONTENDS
+    from fxmem.gpu.gpus import GPUS
+    from fxmem.output.render import FORMATS, MAX_ROWS
+    from fxmem.parallel.pipeline_split import Schedule
+    from fxmem.planner.search import DEFAULT_LEVERS, LEVERS
+    from fxmem.rules.optimizers import IMPLS, OPTIMIZERS
+    from fxmem.step.precision import RECIPES
+    from fxmem.step.training import AMP_DTYPES, DEFAULT_GPU, SHARDS, TARGETS
+
+    assert choices.LOSSES == tuple(LOSSES) and choices.FRONTENDS == tuple(FRONTENDS) and choices.GPUS == tuple(GPUS)
+    assert choices.DEFAULT_GPU == DEFAULT_GPU and choices.TARGETS == tuple(TARGETS) and choices.AMP_DTYPES == tuple(AMP_DTYPES)
+    assert choices.SHARDS == tuple(SHARDS) and choices.IMPLS == tuple(IMPLS) and choices.OPTIMIZERS == tuple(OPTIMIZERS.rules())
+    assert choices.RECIPES == {name: r.summary for name, r in RECIPES.items()}
+    assert choices.BF16_WEIGHT_RECIPES == tuple(name for name, r in RECIPES.items() if r.weight_dtype == torch.bfloat16)
+    assert choices.FORMATS == tuple(FORMATS) and choices.MAX_ROWS == MAX_ROWS and choices.BN_THRESHOLD == BN_THRESHOLD
+    assert choices.LEVERS == tuple(LEVERS) and choices.DEFAULT_LEVERS == tuple(DEFAULT_LEVERS)
+    assert sorted(choices.SCHEDULES) == sorted(s.value for s in Schedule) and choices.SCHEDULES[0] == "1f1b"
+
+
+def test_the_package_exports_every_name_lazily() -> None:
+    assert set(fxmem.__all__) == {*fxmem._MODULE_OF, "__version__"}
+    for name in fxmem.__all__:
+        assert getattr(fxmem, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        fxmem.nothing  # noqa: B018
+
+
+def test_a_mistyped_option_names_the_nearest(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["analyze", "zoo:resnet50", "--bach", "8"]) == 2
+    assert capsys.readouterr().err == "fxmem: error: unrecognized argument --bach; did you mean --batch? see 'fxmem analyze --help'.\n"
+    assert cli.main(["timeline", MLP, "--frist-step"]) == 2
+    assert "unrecognized argument --frist-step; did you mean --first-step? see 'fxmem timeline --help'." in capsys.readouterr().err
+    assert cli.main(["analyze", MLP, "--zzzzzz=1"]) == 2  # nothing near: no suggestion
+    assert capsys.readouterr().err == "fxmem: error: unrecognized argument --zzzzzz; see 'fxmem analyze --help'.\n"
+    assert cli.main(["analyze", MLP, "stray"]) == 2
+    assert capsys.readouterr().err == "fxmem: error: unrecognized arguments: stray; see 'fxmem analyze --help'.\n"
+
+
+def test_a_mistyped_command_names_the_nearest(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["analyse", MLP]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "fxmem: error: argument COMMAND: invalid choice: 'analyse' (choose from analyze, measure, timeline, plan, zoo); "
+        "did you mean analyze? see 'fxmem --help'.\n"
+    )
+    assert cli.main(["timelin", MLP]) == 2
+    assert "did you mean timeline?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["analyze", "measure", "timeline"])
+def test_help_lists_the_common_options_first(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    text = run(capsys, command, "--help")
+    titles = ["\nmodel and inputs:", "\nbatch", "\ntraining setup:", "\nparallelism:", "\nadvanced:"]
+    assert [text.index(t) for t in titles] == sorted(text.index(t) for t in titles)
+    order = ["--input", "--batch", "--gpu", "--amp", "--fsdp", "--frontend", "--alloc-conf"]
+    assert [text.index(f"  {o} ") for o in order] == sorted(text.index(f"  {o} ") for o in order)
+    assert "-v, --verbose" in text
+
+
+def test_analyze_help_puts_the_verdict_options_before_the_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    text = run(capsys, "analyze", "--help")
+    verdict = text[text.index("batch, device, verdict and output:") : text.index("training setup:")]
+    for option in ("--batch", "--gpu", "--device-memory", "--check", "--format", "--html"):
+        assert f"  {option} " in verdict, option
+
+
+def test_an_unwritable_output_fails_before_the_analysis(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("the analysis ran")
+
+    monkeypatch.setattr(cli, "analyze", never)
+    assert cli.main(["analyze", MLP, "--html", "/no/such/dir/x.html"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--html: cannot write the page to '/no/such/dir/x.html'" in err
+    assert "'/no/such/dir' does not exist" in err
+    assert cli.main(["analyze", MLP, "--plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the picture (--plot) to '{tmp_path}': it is a folder" in err
+    assert cli.main(["timeline", MLP, "--plot", "/no/such/dir/t.png"]) == 2
+    assert "cannot write the picture (--plot) to '/no/such/dir/t.png'" in capsys.readouterr().err
+
+
+def test_json_keeps_stdout_to_the_report_and_says_what_it_wrote_on_stderr(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    page = tmp_path / "x.html"
+    assert cli.main(["analyze", MLP, "--target", "cpu", "--batch", "4", "--format", "json", "--html", str(page)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["model"] == MLP and page.read_text(encoding="utf-8").startswith("<!")
+    assert err == f"fxmem: wrote {page}\n"
+
+
+_NOISY = '''
+import logging
+import warnings
+
+from torch import nn
+
+from fxmem.results import ModelSpec
+
+
+class Noisy(nn.Linear):
+    def forward(self, x):
+        logging.getLogger("torch.fx.experimental.symbolic_shapes").warning("Unable to find user code corresponding to {u0}")
+        warnings.warn("torch.old_api is deprecated", FutureWarning)
+        warnings.warn("fully_shard: a UserWarning of torch's", UserWarning)
+        return super().forward(x)
+
+
+def model():
+    return ModelSpec(Noisy(8, 8), ["B,8"], "sum")
+'''
+
+
+def test_torch_logs_and_warnings_show_only_with_verbose(tmp_path: Path) -> None:
+    """torch's log lines ('W1205 ... Unable to find user code corresponding to {u0}', as symbolic_shapes
+    logs them under torch.export), FutureWarnings and UserWarnings are held back; fxmem's notes are not."""
+    (tmp_path / "noisy.py").write_text(_NOISY)
+    argv = ["-m", "fxmem", "analyze", "noisy.py:model", "--target", "cpu", "--no-peak", "--world-size", "2", "--format", "json"]
+    for frontend in ("export", "fx"):
+        quiet = _python(*argv, "--frontend", frontend, cwd=tmp_path)
+        assert quiet.returncode == 0, quiet.stderr
+        json.loads(quiet.stdout)
+        lines = quiet.stderr.splitlines()
+        assert [line for line in lines if line.startswith("fxmem: note: ")] and all(line.startswith("fxmem: ") for line in lines), quiet.stderr
+    loud = _python(*argv, "--frontend", "fx", "-v", cwd=tmp_path)
+    assert loud.returncode == 0, loud.stderr
+    assert re.search(r"^W\d{4} .*Unable to find user code corresponding to \{u0\}$", loud.stderr, re.M), loud.stderr
+    assert "FutureWarning: torch.old_api is deprecated" in loud.stderr and "UserWarning: fully_shard" in loud.stderr
+    assert "fxmem: note: " in loud.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,11 @@ import torch
 
 from fxmem import cli
 from fxmem.api import analyze
-from fxmem.errors import CaptureError, FxmemError, InputSpecError
+from fxmem.errors import CaptureError, FxmemError, FxmemWarning, InputSpecError
 from fxmem.frontends.load import load_leaf_types, load_model
 from fxmem.inputs import InputSpec, parse_inputs
 from fxmem.measure import measure_peak
+from fxmem.planner.search import plan
 
 ROOT = Path(__file__).resolve().parent.parent
 M = "tests/models_for_errors.py"
@@ -134,6 +136,38 @@ MODELS = [
         ["cannot trace module 'gate' (_Gate)", "models_for_errors.py:", "if x.sum() > 0", "--leaf _Gate", "torch.where"],
         id="untraceable",
     ),
+    # Issue 36: the plain cause first.
+    pytest.param(
+        [f"{M}:needs_mode"],
+        ["forward() of model", "needs argument 'mode', which the inputs do not give: pass --arg mode=... (Python: inputs={..., 'mode': ...})", "models_for_errors.py:"],
+        id="argument-missing",
+    ),
+    pytest.param([f"{M}:needs_mode", "--frontend", "export"], ["needs argument 'mode'", "--arg mode=..."], id="argument-missing-export"),
+    pytest.param(
+        [f"{M}:expects_rgb", "--input", "B,1,8,8"],
+        ['its own assert failed: "expects RGB" at', "models_for_errors.py:", "assert x.shape[1] == 3", "B,1,8,8:float32", "--input"],
+        id="assert-fails",
+    ),
+    pytest.param(
+        [f"{M}:expects_rgb", "--frontend", "fx"],
+        ['the model\'s assert "expects RGB" at', "models_for_errors.py:", "cannot evaluate an assert", "--frontend export"],
+        id="assert-under-fx",
+    ),
+    pytest.param(
+        [f"{M}:tiny_lm", "--input", "B,16"],
+        ["Embedding 'wte'", "needs integer ids", "float32 (B,16)", "give the input a dtype: --input B,16:int64"],
+        id="float-ids",
+    ),
+    pytest.param(
+        [f"{M}:tiny_lm", "--input", "B,16", "--frontend", "export"],
+        ["Embedding 'wte' needs integer ids", "give the input a dtype: --input B,16:int64"],
+        id="float-ids-export",
+    ),
+    pytest.param(
+        [f"{M}:fused_qkv", "--tp", "2", "--tp-plan", "qkv=colwise", "--tp-plan", "proj=rowwise", "--optimizer-impl", "for-loop", "--target", "cpu"],
+        ["shards module 'qkv' (Linear, colwise)", "24 on each rank", "splits that output", "IndexError", "splits it by heads", "leave 'qkv' out of the plan"],
+        id="tp-fused-qkv",
+    ),
 ]
 
 
@@ -142,6 +176,41 @@ def test_bad_model(capsys: pytest.CaptureFixture[str], argv: list[str], expected
     line = error_line(capsys, "analyze", *argv)
     for text in expected:
         assert text in line
+
+
+def test_the_plain_cause_leads(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 36: the cause a user can fix opens the message, not fx's words about control flow."""
+    assert error_line(capsys, "analyze", f"{M}:needs_mode").startswith("fxmem: error: forward() of model ")
+    assert "control flow" not in error_line(capsys, "analyze", f"{M}:expects_rgb", "--input", "B,1,8,8")
+    assert "shape" not in error_line(capsys, "analyze", f"{M}:tiny_lm", "--input", "B,16").split("dtype")[0]
+
+
+def test_the_inputs_that_pass_an_assert_or_give_the_argument_work(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["analyze", f"{M}:expects_rgb", "--no-peak", "--target", "cpu"]) == 0  # auto: torch.export runs the assert
+    assert cli.main(["analyze", f"{M}:needs_mode", "--arg", "mode=relu", "--no-peak", "--target", "cpu"]) == 0
+    capsys.readouterr()
+
+
+def test_a_dict_output_says_which_entry_the_loss_uses(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["analyze", f"{M}:returns_dict", "--target", "cpu"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fxmem: note:")]
+    assert notes == [f"fxmem: note: forward() of model '{M}:returns_dict' returns a dict; the loss uses its 'logits' entry, the first floating-point one."]
+
+
+def test_a_dict_output_with_its_own_loss() -> None:
+    spec = load_model(f"{M}:returns_dict_with_loss")
+    with pytest.warns(FxmemWarning, match=r"returns a dict; the loss uses its 'logits' entry.*--loss model takes its 'loss' entry"):
+        analyze(spec.model, spec.inputs, loss="sum", target="cpu", peak=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FxmemWarning)  # the model's own loss: its 'loss' entry, nothing to say
+        own = [analyze(spec.model, spec.inputs, loss=loss, target="cpu", peak=False) for loss in ("auto", "model")]
+    assert own[0].activation_bytes(4) == own[1].activation_bytes(4)
+
+
+def test_plan_says_once_that_seq_len_changes_nothing() -> None:
+    with pytest.warns(FxmemWarning, match="seq_len=8 has no effect") as record:
+        plan(torch.nn.Linear(8, 4), ["B,8"], target="cpu", memory=2**30, seq_len=8, allow=["batch"])
+    assert len([w for w in record if "has no effect" in str(w.message)]) == 1
 
 
 @pytest.mark.parametrize(
@@ -293,3 +362,30 @@ def test_checkpoint_flag_outside_hf_specs_says_where_it_applies(capsys: pytest.C
 def test_a_checkpoint_call_torch_rejects_is_one_line_naming_its_region(capsys: pytest.CaptureFixture[str]) -> None:
     err = error_line(capsys, "analyze", f"{M}:bad_checkpoint_option", "--target", "cpu")
     assert "torch.utils.checkpoint call whose region starts at node 'a'" in err and "determinism_check" in err
+
+
+def _qwen3_spec(folder: Path) -> str:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        vocab_size=100, max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+    )  # fmt: skip
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(folder)
+    return f"hf:{folder / 'config.json'}"
+
+
+def test_more_layers_than_the_config_lists_types_for(tmp_path: Path) -> None:
+    """--config num_hidden_layers=N on a config with layer_types: the list is fitted to N, with a note."""
+    spec = _qwen3_spec(tmp_path)
+    with pytest.warns(FxmemWarning, match=r"num_hidden_layers is 5 but the config's layer_types lists 2 layers; layer_types was extended"):
+        model = load_model(spec, hf_config={"num_hidden_layers": "5"}, seq_len=16).model
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    assert len(model.model.layers) == 5
+    with pytest.warns(FxmemWarning, match="cut to 1 entries"):
+        assert load_model(spec, hf_config={"num_hidden_layers": "1"}, seq_len=16).model.config.layer_types == ["sliding_attention"]
+
+
+def test_layer_types_of_the_wrong_length_name_both_fields(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    line = error_line(capsys, "analyze", _qwen3_spec(tmp_path), "--config", "num_hidden_layers=3", "layer_types=['full_attention']")
+    assert "--config layer_types lists 1 layers but num_hidden_layers is 3" in line and "one type per layer" in line

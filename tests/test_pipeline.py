@@ -163,7 +163,7 @@ def test_pipeline_options_without_pp_warn() -> None:
     model, inputs = _gpt()
     with pytest.warns(
         fxmem.FxmemWarning,
-        match=r"--microbatches 4, --schedule interleaved, --stages-per-rank 3: pipeline options, with no effect without --pp",
+        match=r"Parallelism\.microbatches=4, Parallelism\.schedule='interleaved', Parallelism\.stages_per_rank=3: pipeline options, with no effect without Parallelism\.pp=P",
     ):
         fxmem.analyze(model, inputs, microbatches=4, schedule="interleaved", stages_per_rank=3, peak=False)
 

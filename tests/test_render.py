@@ -3,7 +3,9 @@ dominating rows marked, and the same report as HTML and markdown for notebooks."
 
 from __future__ import annotations
 
+import csv
 import doctest
+import io
 import re
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
@@ -198,3 +200,28 @@ def test_an_estimate_that_rounds_alike_says_by_how_much_it_differs() -> None:
     assert line[2].endswith("would be 21.9 GiB, not 20.9 GiB")
     (line,) = fxmem.output.render._estimate_lines(_estimated_peak(22_440_000_000))  # the workspace already at its bound
     assert line[2].endswith("would be the same 20.9 GiB")
+
+
+def test_csv_holds_the_summary_then_the_layers() -> None:
+    report = _small()
+    rows = list(csv.reader(io.StringIO(render(report, "csv"))))
+    blank = rows.index([])
+    assert rows[0] == ["Summary", "Value"] and all(len(r) == 2 for r in rows[1:blank])
+    summary = dict(rows[1:blank])
+    assert list(summary) == list(fxmem.output.render.CSV_SUMMARY)
+    assert summary["model"] == report.model and int(summary["batch"]) == report.batch == 64
+    assert int(summary["peak"]) == report.peak().bytes
+    assert int(summary["max_batch"]) == report.max_batch() and summary["fits"] == ("true" if report.fits() else "false")
+    assert int(summary["held"]) == report.total_bytes(64) and int(summary["state"]) == report.state_per_gpu
+    assert int(summary["floor"]) == report.step_bytes(report.least_batch) and summary["gpu_total"] == ""  # a cpu target
+    header, *layers, total = rows[blank + 1 :]
+    assert header[:3] == ["Layer", "Op", "Output shape"] and total[0] == "Total activations"
+    assert sum(int(r[5]) for r in layers) == int(total[5]) == report.activation_bytes(64)
+
+
+def test_csv_summary_leaves_what_does_not_apply_empty() -> None:
+    report = analyze_on_meta(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU()), ["B,8"], peak=False)
+    rows = list(csv.reader(io.StringIO(render(report, "csv"))))
+    summary = dict(rows[1 : rows.index([])])
+    assert summary["fits"] == summary["max_batch"] == summary["peak"] == summary["device_memory"] == ""
+    assert int(summary["held"]) == report.total_bytes(32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from torch import nn
@@ -69,7 +70,7 @@ def test_json_has_the_documented_keys_with_exact_integers() -> None:
 
 def test_csv_and_markdown_carry_the_same_rows() -> None:
     report = analyze_on_meta(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU()), ["B,8"])
-    csv_text = render(report, "csv").splitlines()
+    csv_text = render(report, "csv").split("\n\n")[1].splitlines()  # after the summary rows
     assert csv_text[0].startswith("Layer,Op,Output shape,Per sample")
     assert csv_text[1].split(",")[:2] == ["1", "ReLU"]  # the layer is the module path "1" (node _1)
     assert "| 1 " in render(report, "markdown")
@@ -88,3 +89,32 @@ def test_golden_table(golden) -> None:  # type: ignore[no-untyped-def]
         ["B,3,32,32"], "cross_entropy", optimizer="sgd-momentum", batch=64, device_memory=2**30,
     )  # fmt: skip
     golden(str(report))
+
+
+def test_repr_is_short_and_names_the_model_and_the_verdict() -> None:
+    # The dataclass repr dumped every field (58 KB for a small model, issue 36); the repr is now one line.
+    report = analyze_on_meta(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU()), ["B,8"], batch=4, device_memory=10**6, name="tiny_mlp")
+    text = repr(report)
+    assert len(text) < 500 and "\n" not in text
+    assert "tiny_mlp" in text and "B=4" in text and "B,8:float32" in text
+    assert f"largest batch {report.max_batch()}" in text and ("fits" if report.fits() else "does not fit") in text
+    assert f"peak {format_bytes(report.peak().bytes)}" in text
+    assert len(str(report)) > len(text)  # str stays the full report
+
+
+def test_repr_without_device_memory_or_step() -> None:
+    report = analyze_on_meta(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU()), ["B,8"], peak=False, name="tiny_mlp")
+    text = repr(report)
+    assert text.startswith("<Report tiny_mlp (B,8:float32) at B=32") and "no device memory" in text
+    assert f"held {format_bytes(report.total_bytes(32))}" in text
+
+
+def test_to_dict_docstring_names_every_top_level_key() -> None:
+    report = analyze_on_meta(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU()), ["B,8"], batch=4, device_memory=10**6)
+    documented = set(re.findall(r"``(\w+)``", Report.to_dict.__doc__ or "")) - {"per_sample", "constant", "to_dict"}
+    assert documented == set(report.to_dict())
+
+
+def test_budget_defaults_are_documented() -> None:
+    for method in (Report.fits, Report.max_batch, Report.verdict):
+        assert "default ``device_memory``" in " ".join((method.__doc__ or "").split()), method.__name__

@@ -44,8 +44,10 @@ def test_the_timeline_command_notes_once(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_api_warns() -> None:
     model = nn.Linear(4, 4)
-    with pytest.warns(fxmem.FxmemWarning, match="--seq-len 8 has no effect"):
+    # From Python the warning names analyze's own argument, and points at this line, not at fxmem.
+    with pytest.warns(fxmem.FxmemWarning, match="seq_len=8 has no effect") as seen:
         fxmem.analyze(model, ["B,4"], loss="sum", target="cpu", seq_len=8, peak=False)
+    assert seen[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error", fxmem.FxmemWarning)
         fxmem.analyze(model, ["B,4"], loss="sum", target="cpu", peak=False)  # nothing unused: no warning

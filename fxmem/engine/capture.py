@@ -362,6 +362,9 @@ def node_error(n: fx.Node, env: Mapping[fx.Node, Any], symbols: tuple[Any, Any],
     is raised as SymbolicUnsupported carrying that CaptureError: if the concrete passes fail at the
     same node, the caller raises it, with shapes that show which axis is the batch.
     """
+    float_ids = _float_ids_error(n, env, symbols, model)
+    if float_ids is not None:  # a dtype's fault too, the same at every B
+        return float_ids
     mismatch = e if isinstance(e, DtypeMismatch) else DtypeMismatch.from_torch(e)
     if mismatch is not None:  # the dtypes' fault, not the symbolic sizes': the same at every B
         return dtype_error(n, model, mismatch)
@@ -378,6 +381,7 @@ def node_error(n: fx.Node, env: Mapping[fx.Node, Any], symbols: tuple[Any, Any],
         f"{type(e).__name__}: {first}. Check that the --input shapes match what this layer expects."
     )
     if any(symbol is not None for symbol in symbols):
+        error.__cause__ = e  # never raised here, but what caused it is read later (fxmem/parallel/tensor.py)
         return SymbolicUnsupported(f"{n.name}: {first}", node=n.name, error=error)
     error.node = n.name  # type: ignore[attr-defined]
     return error
@@ -402,6 +406,36 @@ def dtype_error(n: fx.Node, model: str, e: DtypeMismatch) -> CaptureError:
     )
     error.node = n.name  # type: ignore[attr-defined]
     return error
+
+
+def _float_ids_error(n: fx.Node, env: Mapping[fx.Node, Any], symbols: tuple[Any, Any], model: str) -> CaptureError | None:
+    """An embedding fed floating-point ids (``--input B,16`` without ``:int64``): a dtype problem, not
+    a shape one; None for any other failure."""
+    ids = _embedding_ids(n)
+    value = env.get(ids) if isinstance(ids, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return None
+    dims = ",".join(str(label_dim(d, *symbols)) for d in value.shape)
+    given = f" '{ids.name}'" if isinstance(ids, fx.Node) and ids.op == "placeholder" else ""
+    error = CaptureError(
+        f"model '{model}': Embedding '{node_fqn(n) or '(top level)'}'{_source_line(n)} needs integer ids, but its "
+        f"input{given} is {dtype_name(value.dtype)} ({dims}); give the input a dtype: --input {dims}:int64 "
+        f"(Python: '{dims}:int64'). An embedding looks its rows up by index, so its input's dtype, not its shape, is wrong."
+    )
+    error.node = n.name  # type: ignore[attr-defined]
+    return error
+
+
+def _embedding_ids(n: fx.Node) -> object:
+    """The ids argument of an embedding lookup (an nn.Embedding leaf, F.embedding or aten.embedding), else None."""
+    gm = n.graph.owning_module
+    if n.op == "call_module" and gm is not None and isinstance(gm.get_submodule(str(n.target)), (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        return n.args[0] if n.args else n.kwargs.get("input")
+    if n.target is torch.nn.functional.embedding:
+        return n.args[0] if n.args else n.kwargs.get("input")
+    if n.target is torch.ops.aten.embedding.default:  # (weight, indices, ...)
+        return n.args[1] if len(n.args) > 1 else None
+    return None
 
 
 def _weight_dtype(n: fx.Node) -> torch.dtype | None:

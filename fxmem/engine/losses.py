@@ -7,14 +7,15 @@ output's batch axis and are classified as input data, like the batch itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
-from fxmem.errors import InputSpecError
+from fxmem.errors import FxmemWarning, InputSpecError
 
 Shape = tuple["int | torch.SymInt", ...]
 
@@ -35,18 +36,23 @@ class Loss:
     None for 'auto': the model's own loss where its output has one, else the sum of its output."""
 
     def select(self, out: object, model: str) -> torch.Tensor:
-        """The tensor the loss applies to: the model's own scalar loss for 'model', else its first float output."""
+        """The tensor the loss applies to: the model's own scalar loss for 'model' (and 'auto' where there
+        is one), else its first float output; a dict's entry taken for it is named in an FxmemWarning."""
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if self.own is not False:
-            own = getattr(out, "loss", None)
+            own = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
             scalars = [own] if isinstance(own, torch.Tensor) else [t for t in leaves if t.dim() == 0]
-            if scalars or self.own is None:
-                return scalars[0] if scalars else self._first(leaves, out, model)
-            raise InputSpecError(
-                f"loss 'model': model '{model}' returned no scalar loss; give it its labels (e.g. --input "
-                "labels=B,S:int64) or choose another --loss."
-            )
-        return self._first(leaves, out, model)
+            if scalars:
+                return scalars[0]
+            if self.own:
+                raise InputSpecError(
+                    f"loss 'model': model '{model}' returned no scalar loss; give it its labels (e.g. --input "
+                    "labels=B,S:int64) or choose another --loss."
+                )
+        chosen = self._first(leaves, out, model)
+        if isinstance(out, Mapping):
+            _say_which_entry(out, chosen, model)
+        return chosen
 
     @staticmethod
     def _first(leaves: list[torch.Tensor], out: object, model: str) -> torch.Tensor:
@@ -65,6 +71,18 @@ class Loss:
         shape, dtype = spec
         make = torch.randn if dtype.is_floating_point else torch.zeros
         return make(shape, dtype=dtype, device=output.device)
+
+
+def _say_which_entry(out: Mapping[object, object], chosen: torch.Tensor, model: str) -> None:
+    """One FxmemWarning naming the entry of a dict output the loss was put on (shown once by the CLI)."""
+    key = next((k for k, v in out.items() if any(t is chosen for t in tree_leaves(v))), None)
+    hint = " (--loss model takes its 'loss' entry)" if "loss" in out and key != "loss" else ""
+    kind = "dict" if type(out).__name__ in ("dict", "immutable_dict") else type(out).__name__  # fx outputs an immutable_dict
+    warnings.warn(
+        f"forward() of model '{model}' returns a {kind}; the loss uses its {key!r} entry, the first floating-point one{hint}.",
+        FxmemWarning,
+        stacklevel=4,
+    )
 
 
 def _no_target(out: torch.Tensor) -> None:

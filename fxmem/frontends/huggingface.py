@@ -28,13 +28,14 @@ from __future__ import annotations
 import ast
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from fxmem.errors import LoadError
+from fxmem.errors import FxmemWarning, LoadError
 from fxmem.results import ModelSpec
 
 __all__ = ["hf_factory", "prepared_for_training"]
@@ -170,6 +171,39 @@ def _apply_overrides(config: Any, overrides: Mapping[str, str], name: str) -> No
         if not hasattr(config, key):
             raise LoadError(f"hf:{name}: --config {key}={text}: the {type(config).__name__} has no '{key}'.")
         setattr(config, key, _literal(text))
+    _fit_layer_types(config, "layer_types" in overrides, name)
+
+
+# Note [A layer count changed under a list of layer types]
+#     Configs that mix attention kinds list one per layer (``layer_types``: Gemma 2/3's alternating
+#     sliding and full attention, Qwen3's, Llama 4's), and transformers expects
+#     ``len(layer_types) == num_hidden_layers``: each decoder layer reads ``config.layer_types[i]``
+#     (models/qwen3/modeling_qwen3.py, ``Qwen3DecoderLayer.__init__``), so ``--config
+#     num_hidden_layers=8`` on a 2-layer list fails with a bare IndexError, and 1 on a 2-layer list
+#     silently keeps a type no layer has. The list is cut to the new count, or extended by repeating
+#     its shortest period (sliding, full, sliding, full, ...), which is how those configs build it
+#     from their defaults; a note says so, and ``--config layer_types=[...]`` sets it explicitly.
+
+
+def _fit_layer_types(config: Any, given: bool, name: str) -> None:
+    """See Note [A layer count changed under a list of layer types]; ``given``: --config set layer_types itself."""
+    count, types = getattr(config, "num_hidden_layers", None), getattr(config, "layer_types", None)
+    if not isinstance(count, int) or not isinstance(types, list) or not types or len(types) == count:
+        return
+    if given:
+        raise LoadError(
+            f"hf:{name}: --config layer_types lists {len(types)} layers but num_hidden_layers is {count}; transformers needs one "
+            "type per layer: give as many, or leave layer_types out and fxmem fits the config's own list to num_hidden_layers."
+        )
+    period = next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
+    config.layer_types = [types[i % period] for i in range(count)]
+    how = "cut to" if count < len(types) else f"extended, repeating {types[:period]}, to"
+    warnings.warn(
+        f"hf:{name}: num_hidden_layers is {count} but the config's layer_types lists {len(types)} layers; layer_types was "
+        f"{how} {count} entries, as transformers needs one per layer. Pass --config layer_types=[...] to choose them.",
+        FxmemWarning,
+        stacklevel=4,
+    )
 
 
 def _literal(text: str) -> Any:

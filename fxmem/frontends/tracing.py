@@ -26,6 +26,7 @@ from fxmem.frontends.checkpointing import attach_regions, recording_checkpoints
 from fxmem.frontends.exporting import export_model, export_reason
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.python_scopes import LocalsRecorder
+from fxmem.frontends.trace_causes import fx_assert_error, missing_argument_error, plain_cause, source_line
 from fxmem.inputs import InputSpec
 
 __all__ = ["FRONTENDS", "Traced", "trace_model"]
@@ -154,17 +155,34 @@ def trace_model(
 
 def _trace(model: nn.Module, specs: Sequence[InputSpec], name: str, leaf_types: Sequence[type], frontend: str) -> Traced:
     if frontend == "export":
-        return Traced(export_model(model, specs, name=name), "export")
+        return _exported(model, specs, name)
     try:
         return Traced(_fx_trace(model, name, leaf_types), "fx")
     except TraceError as fx_error:
+        missing = missing_argument_error(model, specs, name, fx_error) if specs else None
+        if missing is not None:  # torch.export would fail on it too
+            raise missing from fx_error
         if frontend == "fx" or not specs:
             raise
         try:
             return Traced(export_model(model, specs, name=name), "export")
         except TraceError as export_error:
+            plain = plain_cause(export_error, model, specs, name)
+            if plain is not None:
+                raise plain from export_error
             reason = export_reason(export_error)
             raise TraceError(f"{fx_error} torch.export cannot trace it either ({reason}).") from export_error
+
+
+def _exported(model: nn.Module, specs: Sequence[InputSpec], name: str) -> Traced:
+    """torch.export's graph; a failure whose plain cause is known leads with it (trace_causes.py)."""
+    try:
+        return Traced(export_model(model, specs, name=name), "export")
+    except TraceError as e:
+        plain = plain_cause(e, model, specs, name)
+        if plain is None:
+            raise
+        raise plain from e
 
 
 def _fx_trace(model: nn.Module, name: str, leaf_types: Sequence[type]) -> fx.GraphModule:
@@ -200,6 +218,9 @@ def _single_node_graph(model: nn.Module) -> fx.GraphModule:
 def _trace_error(name: str, model: nn.Module, tracer: _Tracer, e: Exception) -> TraceError:
     module = tracer.inside[-1] if tracer.inside and tracer.inside[-1] else "(top level)"
     kind = type(model.get_submodule(module)).__name__ if module != "(top level)" else type(model).__name__
+    assertion = fx_assert_error(source_line(e), name, module, kind)
+    if assertion is not None:
+        return assertion
     line = _user_line(e)
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
     way_out = (

@@ -29,8 +29,8 @@ from __future__ import annotations
 import bisect
 
 from fxmem.gpu.alloc_conf import AllocatorConfig
-from fxmem.gpu.allocator import _Allocator
 from fxmem.gpu.blocks import K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, Block, allocation_size
+from fxmem.gpu.segments import SegmentAllocator
 
 __all__ = ["ExpandableAllocator"]
 
@@ -40,7 +40,7 @@ A multiple of both page sizes, so that pages, which ``ExpandableSegment`` counts
 (``segmentLeft``, ``segmentRight``), also start at multiples of the page size in these addresses."""
 
 
-class ExpandableAllocator(_Allocator):
+class ExpandableAllocator(SegmentAllocator):
     """``DeviceCachingAllocator`` with expandable segments, for one stream (Note [Expandable segments])."""
 
     def __init__(self, capacity: int | None, limit: int | None, config: AllocatorConfig) -> None:

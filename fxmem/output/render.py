@@ -29,6 +29,7 @@ from fxmem.cost.tradeoff import flop_exprs, memory_bound, node_costs, node_flop_
 from fxmem.symbolic import ByteExpr
 
 __all__ = [
+    "CSV_SUMMARY",
     "FORMATS",
     "MAX_ROWS",
     "Depth",
@@ -314,18 +315,76 @@ def render(report: Report, fmt: str = "table", *, depth: Depth = None, top: int 
     ``depth`` None lets the screen views (table, markdown, html) choose the deepest grouping of at most
     MAX_ROWS rows, and gives JSON and CSV every module path (Note [Depth by default]); "all" gives every
     module path, a number groups paths to that many components. ``top`` shows the K largest rows.
+
+    CSV holds two tables, as a spreadsheet shows them one under the other: first the summary, a
+    ``Summary,Value`` header then one row per figure (CSV_SUMMARY's keys, in that order), then an empty
+    row, then the layer table (a header, one row per layer, the Total activations row). Bytes are integers
+    in both; a figure that does not apply (``fits`` without device memory, ``peak`` with ``peak=False``)
+    is an empty cell; ``fits`` is ``true`` or ``false``. A program splits the two at the empty row::
+
+        rows = list(csv.reader(io.StringIO(text)))
+        blank = rows.index([])
+        summary, layers = dict(rows[1:blank]), rows[blank + 1 :]
     """
     if fmt == "json":
         return json.dumps(to_dict(report, depth=depth), indent=2)
     if fmt == "csv":
-        table = _layer_table(report, _grouped(report, _checked_depth(depth), top), raw=True)
-        out = io.StringIO()
-        csv.writer(out, lineterminator="\n").writerows([table.headers, *table.rows])
-        return out.getvalue()
+        return _as_csv(report, _grouped(report, _checked_depth(depth), top))
     writers = {"table": _as_text, "markdown": _as_markdown, "html": _as_html}
     if fmt not in writers:
         raise InputSpecError(f"format {fmt!r}: use one of {', '.join(FORMATS)}, or html (a fragment for notebooks).")
     return writers[fmt](_parts(report, depth, top))
+
+
+CSV_SUMMARY = {
+    "model": "the model's name",
+    "batch": "the batch every figure below is at",
+    "seq_len": "the sequence length S where an input has one, else empty",
+    "target": "what the step runs on (device, GPU, precision, sharding)",
+    "device_memory": "the budget the verdict is judged against, in bytes; empty where none was given",
+    "verdict": "the verdict line in words, as the table's first line",
+    "fits": "true or false: whether a steady step at the batch fits device_memory (Report.fits)",
+    "max_batch": "the largest batch that fits (Report.max_batch); empty where none does or any does",
+    "peak": "the steady step's peak at the batch, in exact tensor bytes (Report.peak)",
+    "gpu_total": "on a GPU target, nvidia-smi's total at the batch (allocator blocks, segments, fixed costs)",
+    "state": "the model state one GPU holds (Report.state_per_gpu)",
+    "held": "state + saved activations + inputs at the batch (Report.total_bytes): not the peak",
+    "floor": "what the least batch costs (Report.step_bytes at floor_batch)",
+    "floor_batch": "the least batch a step runs: 1, or 2 where the model cannot train on one sample",
+}
+"""The summary rows of ``render(report, "csv")``, key -> what its value is."""
+
+
+def _summary_values(report: Report) -> dict[str, object]:
+    """CSV_SUMMARY's values: integers for bytes and batches, None where a figure does not apply."""
+    b, least, budget = report.batch, report.least_batch, report.device_memory
+    device = report.steps.device_peak(b, budget=budget) if report.steps is not None and report.steps.device is not None else None
+    return {
+        "model": report.model,
+        "batch": b,
+        "seq_len": report.seq_len,
+        "target": report.setup.describe() if report.setup is not None else None,
+        "device_memory": budget,
+        "verdict": _verdict_lines(report)[0][2],
+        "fits": None if budget is None else "true" if report.fits() else "false",
+        "max_batch": None if budget is None else report.max_batch(),
+        "peak": report.peak(b).bytes if report.steps is not None else None,
+        "gpu_total": device.total if device is not None else None,
+        "state": report.state_per_gpu,
+        "held": report.total_bytes(b),
+        "floor": report.step_bytes(least),
+        "floor_batch": least,
+    }
+
+
+def _as_csv(report: Report, g: _Grouped) -> str:
+    """The summary rows, an empty row, the layer table: see ``render``."""
+    values = _summary_values(report)
+    summary = [("Summary", "Value"), *((key, "" if values[key] is None else values[key]) for key in CSV_SUMMARY)]
+    table = _layer_table(report, g, raw=True)
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows([*summary, (), table.headers, *table.rows])
+    return out.getvalue()
 
 
 def _parts(report: Report, depth: Depth, top: int | None) -> list[_Part]:

@@ -18,13 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fxmem.engine.binding import fake_like
-from fxmem.engine.capture import node_fqn
+from fxmem.engine.capture import SymbolicUnsupported, node_fqn
 from fxmem.engine.module_hooks import ModuleScopes, within
-from fxmem.errors import InputSpecError
+from fxmem.errors import CaptureError, InputSpecError
 from fxmem.frontends.checkpointing import copy_regions
 from fxmem.parallel.fake_group import fake_world
 from fxmem.parallel.fsdp import fsdp_policy, shard_units
-from fxmem.parallel.tensor import TpLayer, apply_tp
+from fxmem.parallel.tensor import TpLayer, apply_tp, fused_split_error
 
 __all__ = ["Meshes", "ParallelPlan", "apply_plan", "meshes_outside", "one_rank", "pipeline_meshes", "plan_mesh", "shard_graph", "shard_stage"]
 
@@ -209,7 +209,25 @@ def one_rank(
         sharded = shard_graph(gm, plan, plan_mesh(plan), mode, model)
         hooked = (*plan.paths, *_flattened(sharded, plan.tp_layers))
         _read_arguments_past_casts(sharded, hooked)
-        yield sharded, ModuleScopes.of(sharded, hooked, model)
+        with _explained_tp_failures(gm, plan, model):
+            yield sharded, ModuleScopes.of(sharded, hooked, model)
+
+
+@contextlib.contextmanager
+def _explained_tp_failures(gm: fx.GraphModule, plan: ParallelPlan, model: str) -> Iterator[None]:
+    """A pass that fails after a column-wise layer's output is split says so
+    (Note [A fused projection split after a column-wise shard] in fxmem/parallel/tensor.py)."""
+    try:
+        yield
+    except CaptureError as e:
+        explained = fused_split_error(gm, plan.tp_layers, getattr(e, "node", ""), e.__cause__ or e, plan.tp, model)
+        if explained is None:
+            raise
+        raise explained from e
+    except SymbolicUnsupported as e:  # the concrete passes raise the symbolic pass's error where they fail alike
+        if e.error is not None:
+            e.error = fused_split_error(gm, plan.tp_layers, e.node, e.error.__cause__ or e.error, plan.tp, model) or e.error
+        raise
 
 
 def _flattened(gm: fx.GraphModule, layers: tuple[TpLayer, ...]) -> tuple[str, ...]:

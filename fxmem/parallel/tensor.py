@@ -52,13 +52,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
+from fxmem.engine.capture import node_fqn
 from fxmem.errors import CaptureError, InputSpecError
 
-__all__ = ["TpLayer", "apply_tp", "default_tp_plan", "resolve_tp_plan", "tp_layers"]
+__all__ = ["TpLayer", "apply_tp", "default_tp_plan", "fused_split_error", "resolve_tp_plan", "tp_layers"]
 
 
 @dataclass(frozen=True)
@@ -312,3 +314,84 @@ class _ShardSequence(ParallelStyle):
             )
         whole = DTensor.from_local(args[0], mesh, [Replicate()], run_check=False)
         return (whole.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
+
+
+# Note [A fused projection split after a column-wise shard]
+#     One Linear that makes q, k and v together (``qkv(x).split(d, dim=-1)``, ``.chunk(3, -1)``) and is
+#     planned ``colwise`` holds, on each rank, a contiguous 1/T of its output features: with T = 2 the
+#     first rank's half is all of q and half of k, not half of each. The split after it then cuts that
+#     slice where the whole output's pieces would be: ``split(d)`` of 3d/2 features makes two pieces
+#     where the code unpacks three (an IndexError at the unpacking), ``chunk(3)`` makes three of d/2
+#     that no longer view as the heads. It fails in eager the same way. Column-wise sharding of a fused
+#     projection is right only where the model splits by heads first (each head's q, k and v next to
+#     each other in the weight, ``view(B, S, heads, 3 * head_dim)``), so each rank holds whole heads.
+#     fxmem cannot tell from the graph which the weights mean, so it explains the failure, not refuses
+#     the plan.
+
+_SPLITS = re.compile(r"split|chunk|unbind|unpacked")
+"""Node targets that cut a tensor into pieces (fx methods, torch functions, ATen ops, fxmem's
+``unpacked``: Note [Unpacking a tensor] in fxmem/frontends/tracing.py)."""
+_NEAR = 3
+"""How many nodes (views, casts) may lie between a projection and the split of its output."""
+
+
+def fused_split_error(gm: fx.GraphModule, layers: Iterable[TpLayer], failed: str, cause: BaseException, degree: int, name: str = "model") -> CaptureError | None:
+    """The failure at node ``failed`` explained as a column-wise layer whose output the model splits
+    (Note [A fused projection split after a column-wise shard]); None where no such layer leads to it."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    bad = nodes.get(failed)
+    if bad is None:
+        return None
+    for layer in (t for t in layers if t.style in _COLWISE):
+        split = next((d for out in _outputs(gm, layer.path) for d in _near_splits(out) if d is bad or bad in _downstream(d)), None)
+        if split is not None:
+            return _fused_split_message(gm, layer, split, bad, cause, degree, name)
+    return None
+
+
+def _fused_split_message(gm: fx.GraphModule, layer: TpLayer, split: fx.Node, bad: fx.Node, cause: BaseException, degree: int, name: str) -> CaptureError:
+    weight = getattr(gm.get_submodule(layer.path), "weight", None)
+    width = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None
+    features = f" {width} output features, {width // degree} on each rank," if isinstance(width, int) else " output features"
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200].rstrip(".")
+    error = CaptureError(
+        f"model '{name}': tensor parallel over {degree} ranks shards module '{layer.path}' ({layer.kind.__name__}, {layer.style}) by its"
+        f"{features} and the model splits that output afterwards (node '{split.name}'), so each rank's slice cuts across the pieces "
+        f"and the code after the split fails (node '{bad.name}': {type(cause).__name__}: {first}). A fused projection (q, k and v "
+        f"from one Linear) can be planned colwise only if the model splits it by heads; otherwise leave '{layer.path}' out of the plan "
+        "(--tp-plan with only the other layers, tp_plan= in Python), with the rowwise layer that reads its output's heads."
+    )
+    error.node = bad.name  # type: ignore[attr-defined]
+    return error
+
+
+def _outputs(gm: fx.GraphModule, path: str) -> list[fx.Node]:
+    """The nodes that carry module ``path``'s result out of it: its call (torch.fx's leaf), or the nodes
+    of its inlined code (torch.export's) that a node outside it reads."""
+    inside = lambda n: node_fqn(n) == path or node_fqn(n).startswith(f"{path}.")
+    calls = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) == path]
+    return calls or [n for n in gm.graph.nodes if inside(n) and any(not inside(u) for u in n.users)]
+
+
+def _near_splits(out: fx.Node) -> list[fx.Node]:
+    """The nodes that split ``out`` within a few steps of it."""
+    found, frontier = [], [out]
+    for _ in range(_NEAR):
+        frontier = [u for n in frontier for u in n.users]
+        found += [n for n in frontier if _SPLITS.search(_target(n))]
+    return found
+
+
+def _downstream(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(node.users)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack += n.users
+    return seen
+
+
+def _target(n: fx.Node) -> str:
+    return n.target if isinstance(n.target, str) else str(getattr(n.target, "__name__", n.target))

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from fxmem.errors import FxmemError, InputSpecError
-from fxmem.inputs import InputSpecs
+from fxmem.inputs import InputSpecs, has_seq, parse_inputs
+from fxmem.options import Hardware, Training, merge, spell, warn_at_caller
 from fxmem.parallel import default_tp_plan
 from fxmem.planner.checkpoint import CheckpointPlan, plan_checkpointing
 from fxmem.planner.emit import apply_plan_to, compile_plan
 from fxmem.report import Report
 from fxmem.step.sharding import fsdp_units
-from fxmem.step.training import DEFAULT_GPU
 
 if TYPE_CHECKING:
     from fxmem.measure_ranks import RankMeasurement
@@ -172,14 +172,16 @@ def plan(
     model: nn.Module,
     inputs: InputSpecs,
     *,
-    gpu: str = DEFAULT_GPU,
-    target: str = "cuda",
+    training: Training | None = None,
+    hardware: Hardware | None = None,
+    gpu: str | None = None,
+    target: str | None = None,
     gpus: int = 1,
     memory: int | None = None,
     global_batch: int | None = None,
     allow: Iterable[str] = DEFAULT_LEVERS,
-    loss: str = "sum",
-    optimizer: str = "adamw",
+    loss: str | None = None,
+    optimizer: str | None = None,
     name: str | None = None,
     seq_len: int | None = None,
     max_micro_batch: int = 4096,
@@ -189,6 +191,9 @@ def plan(
     on each of ``gpus`` GPUs, at ``global_batch`` samples per optimizer step (default: the largest
     micro-batch that fits, no accumulation); rank them (Note [Ranking by throughput]). ``target``
     "cpu" plans for this machine's CPU (``memory`` then required), where ``verify`` checks a plan for real.
+    ``training`` and ``hardware`` take the options as ``analyze`` does: ``Training``'s loss and
+    optimizer (the levers choose its precision and implementation), and ``Hardware``'s target, gpu,
+    ``device_memory`` (the same as ``memory``) and the rest of the device, which every configuration is simulated on.
 
     >>> from models_zoo import gpt2_small
     >>> spec = gpt2_small.build(test=True)
@@ -198,12 +203,18 @@ def plan(
     """
     from fxmem.api import analyze  # the planner drives the whole pipeline
 
+    training = merge(training, Training, {"loss": loss, "optimizer": optimizer})
+    _check_searched(training)
+    hardware = merge(hardware, Hardware, {"gpu": gpu, "target": target, "device_memory": memory})
+    loss, optimizer, gpu, target, memory = training.loss, training.optimizer, hardware.gpu, hardware.target, hardware.device_memory
+    device = replace(hardware, device_memory=None)  # each step is replayed against the GPU's memory; ``memory`` is the plan's budget
     name = name or type(model).__name__
     levers = _levers(allow)
     _check_counts(gpus, global_batch, max_micro_batch)
     if target != "cuda" and memory is None:
         raise InputSpecError(f"model '{name}': planning for --target {target} needs the memory to fit in (--memory SIZE).")
     say = progress or (lambda _: None)
+    seq_len = _applied_seq_len(inputs, seq_len)
     fitting: list[Candidate] = []
     floors: list[Candidate] = []
     skipped: list[str] = []
@@ -212,7 +223,7 @@ def plan(
         say(f"simulating {config.describe()}")
         try:
             report = analyze(
-                model, inputs, loss=loss, optimizer=config.optimizer, batch=1, gpu=gpu, target=target, amp=config.amp, precision=config.precision,
+                model, inputs, loss=loss, optimizer=config.optimizer, batch=1, hardware=device, amp=config.amp, precision=config.precision,
                 optimizer_impl=config.optimizer_impl, fsdp=config.fsdp, tp=config.tp, name=name, seq_len=seq_len,
                 fsdp_units=config.units if config.fsdp > 1 else None, tp_plan=dict(config.tp_plan) if config.tp > 1 else None,
             )  # fmt: skip
@@ -232,6 +243,17 @@ def plan(
     fitting.sort(key=lambda c: -c.samples_per_second)
     closest = None if fitting or not floors else min(floors, key=lambda c: c.total)
     return Plan(name, gpu, target, gpus, budget or 0, global_batch, tuple(fitting), closest, tuple(skipped))
+
+
+def _check_searched(training: Training) -> None:
+    """The planner chooses the precision and the optimizer's implementation itself (its levers)."""
+    default = Training()
+    for field in ("optimizer_impl", "precision", "amp", "param_dtype"):
+        if getattr(training, field) != getattr(default, field):
+            raise InputSpecError(
+                f"plan() searches the precision and the optimizer's implementation itself (allow=); Training.{field}="
+                f"{getattr(training, field)!r} would fix it: leave it at its default and allow the levers to try."
+            )
 
 
 def _levers(allow: Iterable[str]) -> frozenset[str]:
@@ -360,9 +382,14 @@ def _analyze_like(
     from fxmem.api import analyze
 
     setup = report.setup
+    hardware = (
+        Hardware(setup.target, setup.gpu, None, setup.torch_version, setup.overheads, setup.alloc_conf, setup.memory_fraction)
+        if setup
+        else Hardware()
+    )
     return analyze(
-        model, inputs, loss=loss, optimizer=config.optimizer, batch=1, gpu=setup.gpu if setup else DEFAULT_GPU,
-        target=setup.target if setup else "cuda", amp=config.amp, precision=config.precision, optimizer_impl=config.optimizer_impl,
+        model, inputs, loss=loss, optimizer=config.optimizer, batch=1, hardware=hardware,
+        amp=config.amp, precision=config.precision, optimizer_impl=config.optimizer_impl,
         name=name, seq_len=seq_len, fsdp=config.fsdp, fsdp_units=config.units if config.fsdp > 1 else None,
     )  # fmt: skip
 
@@ -383,6 +410,21 @@ class Verification:
     def peak_error(self) -> float:
         """(predicted - measured) / measured."""
         return (self.candidate.peak - self.measured_peak) / self.measured_peak if self.measured_peak else 0.0
+
+
+def _applied_seq_len(inputs: InputSpecs, seq_len: int | None) -> int | None:
+    """``seq_len`` where an input has a symbolic sequence axis S to evaluate it at; else None, said once
+    here, where every configuration's analysis would repeat the note (analyze's ``_warn_unused``)."""
+    if seq_len is None:
+        return None
+    specs = parse_inputs(inputs)
+    if has_seq(specs):
+        return seq_len
+    warn_at_caller(
+        f"{spell('seq_len', seq_len)} has no effect: no input has a symbolic sequence axis S "
+        f"({', '.join(map(str, specs))}); write S in the shape, e.g. B,S:int64, or drop {spell('seq_len')}."
+    )
+    return None
 
 
 def verify(candidate: Candidate, model: nn.Module, inputs: InputSpecs, *, loss: str = "sum", seq_len: int | None = None) -> Verification:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from fxmem.rules.ops import register_layout_rule
+from fxmem.rules.registries import register_layout_rule
 
 __all__ = ["ARITHMETIC", "SELF_FIRST", "UNARY", "empty_like_strides", "hardtanh_layout", "tensor_iterator_strides"]
 

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch._prims_common import suggest_memory_format
 
-from fxmem.rules.ops import register_workspace_rule
+from fxmem.rules.registries import register_workspace_rule
 
 __all__ = ["cpu_batch_norm_backward_workspace", "cpu_group_norm_backward_workspace", "cpu_group_norm_workspace"]
 

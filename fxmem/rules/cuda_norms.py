@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fxmem.rules.ops import register_op_rule
+from fxmem.rules.registries import register_op_rule
 
 __all__ = ["batch_norm_statistics"]
 

@@ -3,6 +3,9 @@
 Most ops need no rule: autograd itself reports what it saves, and fake tensors have the right sizes.
 A rule exists only where a real run and the fake run were seen to disagree, keyed by the aten op and
 the device whose kernel is modelled. Each returns ``{output index: true nbytes}``.
+
+The registries themselves live in fxmem/rules/registries.py, which the rule modules register into;
+this module re-exports them and imports every rule module, so importing it fills them.
 """
 
 from __future__ import annotations
@@ -22,12 +25,22 @@ from torch._prims_common import (
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxmem.rules import Registry
 from fxmem.rules.cudnn_conv import cudnn_convolution_backward_workspace, cudnn_convolution_workspace
 from fxmem.rules.cudnn_rnn import cudnn_rnn_backward_workspace, cudnn_rnn_reserve, cudnn_rnn_workspace
 from fxmem.rules.onednn_conv import ConvShape, backward_marks, forward_marks, highest, onednn_convolution
 from fxmem.rules.onednn_conv_avx2 import avx2_backward_marks, avx2_forward_marks, onednn_avx2_convolution
 from fxmem.rules.onednn_rnn import PAGE_SIZE, get_good_ld, lstm_workspace_bytes
+from fxmem.rules.registries import (
+    LAYOUT_RULES,
+    OP_RULES,
+    WORKSPACE_RULES,
+    layout_rules_for,
+    op_rules_for,
+    register_layout_rule,
+    register_op_rule,
+    register_workspace_rule,
+    workspace_rules_for,
+)
 from fxmem.rules.sdpa_buffers import (
     cudnn_attention_backward_workspace,
     cudnn_attention_workspace,
@@ -49,17 +62,6 @@ __all__ = [
     "register_workspace_rule",
     "workspace_rules_for",
 ]
-
-OpKey = tuple[str, str]
-"""(aten op packet, e.g. ``'aten.mkldnn_rnn_layer'``; device type, e.g. ``'cpu'``)."""
-
-OP_RULES: Registry[OpKey, Any] = Registry("op rule")
-register_op_rule = OP_RULES.register
-
-
-def op_rules_for(device: str, rules: Registry[OpKey, Any] = OP_RULES) -> dict[str, Any]:
-    """The rules for one device, keyed by op packet name, as capture.py applies them."""
-    return {op: rule for (op, dev), rule in rules.rules().items() if dev == device}
 
 
 @register_op_rule(("aten.mkldnn_rnn_layer", "cpu"))
@@ -214,15 +216,6 @@ for _loss in _INPUT_SIZED_LOSSES:
 # agree but what runs after may not (a reshape that is a view of one layout copies the other). Each
 # rule returns {output index: the real kernel's strides}; dispatch.py's OpRuleMode sets them.
 
-LAYOUT_RULES: Registry[OpKey, Any] = Registry("layout rule")
-register_layout_rule = LAYOUT_RULES.register
-
-
-def layout_rules_for(device: str, rules: Registry[OpKey, Any] = LAYOUT_RULES) -> dict[str, Any]:
-    """The layout rules for one device, keyed by op packet name, as dispatch.py applies them."""
-    return {op: rule for (op, dev), rule in rules.rules().items() if dev == device}
-
-
 # Note [Batch norm outputs in the suggested layout]
 #     The CPU kernels of batch norm (batch_norm_cpu and batch_norm_backward_cpu in
 #     aten/src/ATen/native/Normalization.cpp) make the output and the input's gradient with
@@ -263,15 +256,6 @@ for _op in ("aten.native_batch_norm_backward", "aten.batch_norm_backward"):
 # Kernel workspaces: memory a kernel allocates and frees inside one op, owned by no tensor the op
 # returns, so fake tensors never see it. Each rule returns the workspace's bytes (0 for none); the
 # timeline charges it as a temporary alive, with the op's outputs, for the length of the op.
-
-WORKSPACE_RULES: Registry[OpKey, Any] = Registry("workspace rule")
-register_workspace_rule = WORKSPACE_RULES.register
-
-
-def workspace_rules_for(device: str, rules: Registry[OpKey, Any] = WORKSPACE_RULES) -> dict[str, Any]:
-    """The workspace rules for one device, keyed by op packet name, as timeline.py applies them."""
-    return {op: rule for (op, dev), rule in rules.rules().items() if dev == device}
-
 
 # Note [CPU slow convolution columns]
 #     Where ATen picks its native ("slow") kernel for a 2-D or 3-D convolution (Slow2d, Slow3d:
@@ -884,4 +868,6 @@ register_workspace_rule(("aten.convolution", "cuda"))(cudnn_convolution_workspac
 register_workspace_rule(("aten.convolution_backward", "cuda"))(cudnn_convolution_backward_workspace)
 
 
-from fxmem.rules import cpu_layouts, cpu_norms, cuda_norms  # noqa: E402, F401  (register the cpu's pointwise layouts and normalization rules, the cuda target's norms)
+# The rule modules that register into fxmem/rules/registries.py themselves: imported last, so that
+# every registry is full once this module is, and in the order the rules were registered before.
+from fxmem.rules import cpu_layouts, cpu_norms, cuda_norms  # noqa: E402, F401  (the cpu's pointwise layouts and normalization rules, the cuda target's norms)

@@ -198,8 +198,20 @@ class StepPeaks:
         key = (batch, first_step, budget)
         if key not in self._device:
             model = self.device if budget is None else replace(self.device, budget=budget)
-            self._device[key] = replay_step(self.timeline(batch, first_step=first_step), batch, self.seq, model)
+            self._device[key] = replay_step(self._replayable(batch, first_step), batch, self.seq, model)
         return self._device[key]
+
+    def _replayable(self, batch: int, first_step: bool) -> Timeline:
+        """The step at ``batch`` for an allocator replay: its timeline where one is made already, else
+        the symbolic one at that batch without the ops' costs (a largest-batch search replays dozens of
+        batches whose FLOPs nobody asks for), not kept."""
+        symbolic = self.symbolic if batch >= 2 and self.make_symbolic is None else None
+        if batch in self.exact or symbolic is None or symbolic.exact_at(batch):
+            return self.timeline(batch, first_step=first_step)
+        light = symbolic.at_batch(batch, self.seq, costs=False)
+        if light is None:
+            return self.timeline(batch, first_step=first_step)
+        return light if first_step else steady_step(light)
 
     def device_bytes(self, batch: int, budget: int | None = None) -> int:
         """What the device must hold for a steady step at ``batch``: nvidia-smi's total on a GPU, the

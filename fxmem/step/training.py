@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxmem.errors import InputSpecError
+from fxmem.options import DEFAULT_GPU, Hardware, Parallelism, Training, spell
 from fxmem.rules import TorchRelease, torch_release
 from fxmem.rules.linear import LinearAsReal
 from fxmem.rules.optimizers import IMPLS
@@ -27,11 +28,9 @@ if TYPE_CHECKING:
     from fxmem.gpu.gpus import GpuSpec
     from fxmem.step.timeline import StepTarget
 
-__all__ = ["AMP_DTYPES", "DEFAULT_GPU", "IMPLS", "SHARDS", "TARGETS", "TrainingSetup", "amp_dtype"]
+__all__ = ["AMP_DTYPES", "DEFAULT_GPU", "IMPLS", "SHARDS", "TARGETS", "TrainingSetup", "amp_dtype", "fsdp_sharding"]
 
 TARGETS = ("cuda", "cpu")
-DEFAULT_GPU = "h100-80gb"
-"""The GPU a cuda-target prediction is for when none is named."""
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -89,26 +88,44 @@ class TrainingSetup:
             self.allocator  # noqa: B018 - fails early on a malformed --alloc-conf
         self.release  # noqa: B018 - fails early on a malformed --torch-version
 
-    def unused(self) -> tuple[str, ...]:
-        """What was asked that has no effect on this setup, one sentence each (see FxmemWarning)."""
+    @classmethod
+    def of(cls, training: Training, hardware: Hardware, parallel: Parallelism) -> TrainingSetup:
+        """The setup the option objects describe, ``parallel.fsdp`` folded into the sharding (one
+        rank of the real FSDP2 engine over ``fsdp`` ranks); the pipeline's stages are not part of it."""
+        world_size, shard = fsdp_sharding(parallel)
+        return cls(
+            hardware.target, hardware.gpu, training.amp, training.precision, world_size, shard, training.optimizer_impl,
+            dict(hardware.overheads), hardware.torch_version, parallel.tp, hardware.alloc_conf, hardware.memory_fraction,
+        )  # fmt: skip
+
+    def unused(self, *, flags: bool = False) -> tuple[str, ...]:
+        """What was asked that has no effect on this setup, one sentence each (see FxmemWarning), naming
+        each setting as the CLI's flag where ``flags``, else as the API's own (``Parallelism.shard``)."""
+        say = lambda setting, value=None: spell(setting, value, flags=flags)
         found = []
         if self.world_size == 1 and self.shard != "none":
-            found.append(f"--shard {self.shard} with --world-size 1 divides nothing: one GPU holds the whole state; give --world-size N.")
+            found.append(
+                f"{say('shard', self.shard)} with {say('world_size', 1)} divides nothing: one GPU holds the whole state; "
+                f"give {say('world_size', 'N') if flags else say('world_size') + '=N'}."
+            )
         if self.world_size > 1 and self.shard == "none":
             found.append(
-                f"--world-size {self.world_size} without --shard changes nothing here: every GPU holds the whole state (plain "
-                "data parallel; DDP's gradient buckets are not modelled), as one GPU does; add --shard zero1, zero2, zero3 or "
-                "fsdp to divide it."
+                f"{say('world_size', self.world_size)} without {say('shard')} changes nothing here: every GPU holds the whole state "
+                "(plain data parallel; DDP's gradient buckets are not modelled), as one GPU does; "
+                + ("add --shard zero1, zero2, zero3 or fsdp" if flags else f"set {say('shard')} to 'zero1', 'zero2', 'zero3' or 'fsdp'")
+                + " to divide it."
             )
         if not self.cuda:
             given = [
-                ("--gpu", self.gpu != DEFAULT_GPU),
-                ("--torch-version", self.torch_version is not None),
-                ("--overhead", bool(self.overheads)),
-                ("--alloc-conf", bool(self.alloc_conf)),
-                ("--memory-fraction", self.memory_fraction is not None),
+                ("gpu", self.gpu != DEFAULT_GPU),
+                ("torch_version", self.torch_version is not None),
+                ("overheads", bool(self.overheads)),
+                ("alloc_conf", bool(self.alloc_conf)),
+                ("memory_fraction", self.memory_fraction is not None),
             ]
-            found += [f"{option} describes the cuda target and has no effect with --target cpu." for option, on in given if on]
+            found += [
+                f"{say(option)} describes the cuda target and has no effect with {say('target', 'cpu')}." for option, on in given if on
+            ]
         return tuple(found)
 
     @property
@@ -232,6 +249,21 @@ class TrainingSetup:
 
 ENGINE_RECIPES = ("fp32", "amp", "mixed")
 """The recipes ``--fsdp`` runs: FSDP2 keeps fp32 shards, and ``mixed`` is its bf16 MixedPrecisionPolicy."""
+
+
+def fsdp_sharding(parallel: Parallelism) -> tuple[int, str]:
+    """(world_size, shard) with ``fsdp=N`` folded in: N ranks of the real FSDP2 engine."""
+    fsdp, world_size, shard = parallel.fsdp, parallel.world_size, parallel.shard
+    if not isinstance(fsdp, int) or isinstance(fsdp, bool) or fsdp < 1:
+        raise InputSpecError(f"fsdp must be a whole number of ranks, 1 or more; got {fsdp!r}.")
+    if fsdp == 1:
+        return world_size, shard
+    if (world_size, shard) not in ((1, "none"), (fsdp, "fsdp")):
+        raise InputSpecError(
+            f"--fsdp {fsdp} sets the ranks and the sharding itself; it cannot be combined with --world-size {world_size} "
+            f"--shard {shard}: give one or the other."
+        )
+    return fsdp, "fsdp"
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
