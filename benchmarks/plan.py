@@ -1,32 +1,59 @@
-"""fxmem's checkpointing plan against checkpointing every block and against torch's own SAC ILP, at the same budgets.
+"""fxmem's checkpointing plan against checkpointing every block, torchtitan's per-op recipe and torch's own SAC ILP, with times.
 
-For each model, at three budgets for the activations saved for backward (between "everything fits" and
-"the least any checkpointing keeps"), this runs in one process:
+For each model (the zoo's GPT, a larger GPT, a Hugging Face Llama and a ViT), at three budgets for the
+activations saved for backward (between "everything fits" and "the least any checkpointing keeps"),
+this runs in one process:
 
 - fxmem: ``plan_checkpointing(model, inputs, blocks, budget=...)``, the chosen policy applied by its own
   emitted code (``compile_plan``) to the real model;
 - every block: each block checkpointed with nothing kept (a selective-checkpoint policy that recomputes
   every op, which keeps what ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` keeps: the
   block's inputs);
+- torchtitan's per-op recipe: ``fxmem.planner.recipes.op_sac_plan(..., target="cpu")``, every block
+  keeping the outputs of the ops on torchtitan's save list (every other ``aten.mm``, attention) and
+  recomputing the rest (Note [torchtitan's per-op policy] in fxmem/planner/recipes.py). It has no
+  budget: it is run once per model, and each row says whether it fits that row's budget;
 - SAC ILP: torch's own pipeline, ``torch.distributed._tools``: ``MemTracker``, ``RuntimeEstimator`` and
   ``SACEstimator`` on a fake copy of the model, ``aggregate_stats`` -> ``parse_module_info`` ->
   ``sac_milp`` (which blocks to checkpoint and what share of their memory to discard) and, per chosen
   block, ``get_optimal_checkpointing_policy_per_module`` (which ops to save); the ops it saves are
   applied as a selective-checkpoint policy.
 
-All three are then measured the same way, by ``fxmem.planner.measure_plan``: one real forward, loss and
+All four are then measured the same way, by ``fxmem.planner.measure_plan``: one real forward, loss and
 backward on the CPU, counting the distinct storages saved for backward or cached by the policy, and the
 FLOPs backward recomputes (``FlopCounterMode``: backward with checkpointing minus backward without).
-One markdown table per model, and a last line saying whether fxmem's choice stays under the budget and
-recomputes no more FLOPs than every block checkpointed and than the ILP's choice, on every row.
+Each chooser is timed in the same run, its measurement left out: ``plan_checkpointing`` per budget,
+the ILP's solve per cut (``sac_milp`` and the per-module policies; its stats are collected once per
+model and timed apart), ``op_sac_plan`` once per model. One markdown table per model, lines under it
+comparing fxmem's choice with the recipe at each budget, and a last line saying whether fxmem's choice
+stays under the budget and recomputes no more FLOPs than every block checkpointed and than the ILP's
+choice, on every row, and how it compares with the recipe (where the recipe fits: FLOPs; where it does
+not: whether fxmem's choice does).
+
+Before the tables, the timing targets: benchmarks/plan_speed.py's cases (``plan_speed.time_case``:
+``fxmem.planner.search.plan`` on Llama-3.1-8B on 8 x H100, gpt-7b on one, a 70B-class GPT on 64; targets
+60 s, 10 s, 120 s), each with its wall time, its ratio to the target and whether it met it. They run
+first, so that nothing the tables leave in the process is paid for in them.
 
     pip install pulp pwlf          # sac_ilp imports pulp (its CBC solver); aggregate_stats fits with pwlf (and scipy)
-    python benchmarks/plan.py      # tables on stdout; 2 to 4 minutes on 2 CPU cores, most of it measuring the ILP's choices
-    python benchmarks/plan.py --only 0   # one model (an index into CASES)
+    python benchmarks/plan.py      # on 2 CPU cores: about 3 minutes of timing targets, then 3 to 5 of tables
+    python benchmarks/plan.py --skip-speed --only 0   # one model's table (an index into CASES), no timings
+    python benchmarks/plan.py --only-speed 1          # the timing targets only: all, or these indices into plan_speed.CASES
 
-fxmem's columns are the same on every run. The ILP's can differ a little between runs (seen once: a
-block keeping 16 ops instead of 19 at the same share discarded); torch's solvers stop within 5% of the
-optimum or at a time limit (``PULP_CBC_CMD(gapRel=0.05, timeLimit=...)`` in sac_ilp.py), the likely cause.
+Measured on 2 cores: the zoo's GPT's table in 16 s, the ViT's in 50 s (most of either measuring the ILP's
+choices); plan_speed.py's own docstring gives its 3 minutes.
+
+fxmem's and the recipe's columns are the same on every run (the seconds aside). The ILP's can differ a
+little between runs (seen once: a block keeping 16 ops instead of 19 at the same share discarded);
+torch's solvers stop within 5% of the optimum or at a time limit (``PULP_CBC_CMD(gapRel=0.05,
+timeLimit=...)`` in sac_ilp.py), the likely cause.
+
+Note [Attention's FLOPs on the CPU]
+    ``FlopCounterMode`` has formulas for the CUDA SDPA kernels but none for the CPU's
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` (torch 2.13's ``flop_registry``), so attention
+    counts 0 FLOPs here, rerun or not: the recipe keeping attention's output lowers no FLOPs in these
+    tables, and no chooser gains or loses FLOPs by recomputing attention. fxmem's predictions count with the
+    same formulas, so they agree with the measurement here too. The bytes are counted in full.
 
 Note [Running torch's SAC tools on the CPU]
     ``RuntimeEstimator`` and ``SACEstimator`` time ops by a roofline model or by benchmarking, and both
@@ -98,6 +125,7 @@ from fxmem.engine.losses import get_loss
 from fxmem.frontends.hf_paths import eager_code_paths
 from fxmem.inputs import InputSpecs, make_input, parse_inputs
 from fxmem.planner import BlockChoice, CheckpointPlan, OpKey, PlanMeasurement, measure_plan, plan_checkpointing
+from fxmem.planner.recipes import op_sac_plan
 from fxmem.symbolic import ByteExpr
 
 GIB = 2**30
@@ -143,6 +171,20 @@ def _llama_4x128() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def _vit_4x128() -> nn.Module:
+    from models_zoo.vit_b16 import ViT
+
+    class FakeSafeViT(ViT):
+        def reset_parameters(self) -> None:
+            """The zoo's init, but for ``trunc_normal_``, which tests the values it drew (``mask.any()``: a
+            ``DataDependentOutputException`` when built under FakeTensorMode for torch's tools). At
+            std=0.02 its bounds of +-2 are 100 sigma away, so ``normal_`` draws the same distribution."""
+            nn.init.zeros_(self.cls_token)
+            nn.init.normal_(self.pos_embed, std=0.02)
+
+    return FakeSafeViT(64, 8, 128, 4, 4, 256, 10, dropout=0.0)
+
+
 CASES: tuple[Case, ...] = (
     Case("gpt2-small:test (2 x d=32, S=16, dropout 0.1)", _zoo_gpt_test, ["B,16:int64"], ("blocks.0", "blocks.1"), 4),
     Case("GPT 4 x d=128, S=256", _gpt_4x128, ["B,256:int64"], tuple(f"blocks.{i}" for i in range(4)), 4),
@@ -152,6 +194,14 @@ CASES: tuple[Case, ...] = (
         {"input_ids": "B,128:int64"},
         tuple(f"model.layers.{i}" for i in range(4)),
         4,
+    ),
+    Case(
+        "ViT 4 x d=128, 64x64 images in 8x8 patches (S=65), no dropout",
+        _vit_4x128,
+        ["B,3,64,64"],
+        tuple(f"blocks.{i}" for i in range(4)),
+        4,
+        loss="cross_entropy",
     ),
 )
 
@@ -167,6 +217,8 @@ class Ilp:
     notes: tuple[str, ...] = ()
     failed: str = ""
     measured: PlanMeasurement | None = None
+    seconds: float = 0.0
+    """Wall time of the solve: ``sac_milp`` and the per-module policies (not the measurement)."""
 
     def fits(self, budget: int) -> bool:
         return self.measured is not None and self.measured.saved <= budget
@@ -174,11 +226,14 @@ class Ilp:
 
 @dataclass(frozen=True)
 class Row:
-    """One budget of one model: the three choices, measured, and fxmem's own prediction for its choice."""
+    """One budget of one model: fxmem's, every block's and the ILP's choices, measured, fxmem's prediction
+    for its own, and how long each chooser took (the recipe, which has no budget, is in ``CaseResult``)."""
 
     budget: int
     fxmem: PlanMeasurement
     fxmem_predicted: tuple[int, int]
+    fxmem_seconds: float
+    """Wall time of ``plan_checkpointing`` at this budget (tracing included, measurement not)."""
     every: PlanMeasurement
     same_cut: Ilp
     """The ILP asked to remove the same bytes as fxmem (Note [One budget for both])."""
@@ -187,6 +242,8 @@ class Row:
     least: Ilp | None
     """When none fits: the choice that kept the least, to show how close the ILP came."""
     tried: int
+    ilp_seconds: float
+    """Wall time of all the ILP's solves at this budget (``tried`` of them), its measurements left out."""
 
 
 # --- torch's SAC pipeline -----------------------------------------------------------------------------
@@ -286,7 +343,13 @@ def _fill_backward_snapshots(tracker: Any) -> tuple[str, ...]:
 
 def solve_ilp(stats: _TorchStats, blocks: Sequence[str], cut: int) -> Ilp:
     """``sac_milp`` asked to cut its peak by ``cut`` bytes (Note [One budget for both]), then the ops each
-    checkpointed block saves by ``get_optimal_checkpointing_policy_per_module``."""
+    checkpointed block saves by ``get_optimal_checkpointing_policy_per_module``; timed."""
+    start = time.perf_counter()
+    ilp = _solve_ilp(stats, blocks, cut)
+    return replace(ilp, seconds=time.perf_counter() - start)
+
+
+def _solve_ilp(stats: _TorchStats, blocks: Sequence[str], cut: int) -> Ilp:
     from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline
     from torch.distributed._tools.sac_ilp import sac_milp
 
@@ -335,7 +398,7 @@ def _saved_ops(estimator: Any, fqn: str, share: float) -> tuple[tuple[OpKey, ...
     return tuple(kept), note
 
 
-# --- the three choices, measured ----------------------------------------------------------------------
+# --- the four choices, measured ----------------------------------------------------------------------
 
 
 def _hand_plan(case: Case, kept: Mapping[str, tuple[OpKey, ...]]) -> CheckpointPlan:
@@ -348,9 +411,10 @@ def _hand_plan(case: Case, kept: Mapping[str, tuple[OpKey, ...]]) -> CheckpointP
 
 def fit_ilp(
     stats: _TorchStats, case: Case, budget: int, unplanned: int, measure: Callable[[Ilp], Ilp]
-) -> tuple[Ilp, Ilp | None, Ilp | None, int]:
+) -> tuple[Ilp, Ilp | None, Ilp | None, int, float]:
     """The ILP at the same cut as fxmem; the fewest-FLOPs choice that fits among the cuts tried (Note [The
-    ILP tuned to the budget]); the choice that kept the least, when none fits; how many cuts were tried."""
+    ILP tuned to the budget]); the choice that kept the least, when none fits; how many cuts were tried,
+    and the seconds their solves took."""
     same = unplanned - budget
     cuts = sorted({same, *(max(1, round(same * k)) for k in GRID)})
     tried = {c: measure(solve_ilp(stats, case.blocks, c)) for c in cuts}
@@ -365,22 +429,53 @@ def fit_ilp(
     best = min(fits, key=lambda i: (i.measured.recompute_flops, i.measured.saved)) if fits else None  # type: ignore[union-attr]
     ran = [ilp for ilp in tried.values() if ilp.measured is not None]
     least = None if fits or not ran else min(ran, key=lambda i: i.measured.saved)  # type: ignore[union-attr]
-    return tried[same], best, least, len(tried)
+    return tried[same], best, least, len(tried), sum(ilp.seconds for ilp in tried.values())
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """torchtitan's per-op recipe on one model (``op_sac_plan``, the CPU's save list): the ops it keeps
+    per block, its choice measured and predicted, and how long ``op_sac_plan`` took. It has no budget."""
+
+    kept: tuple[int, ...]
+    kept_ops: tuple[str, ...]
+    """The distinct ops whose outputs it keeps, in any block."""
+    measured: PlanMeasurement
+    predicted: tuple[int, int]
+    seconds: float
+
+    def fits(self, budget: int) -> bool:
+        return self.measured.saved <= budget
+
+
+def run_recipe(real: nn.Module, case: Case) -> Recipe:
+    """torchtitan's per-op selective checkpointing of every block, timed, then measured as the others are."""
+    start = time.perf_counter()
+    plan = op_sac_plan(real, case.inputs, case.blocks, batch=case.batch, loss=case.loss, target="cpu")
+    seconds = time.perf_counter() - start
+    measured = measure_plan(real, case.inputs, plan, loss=case.loss)
+    kept_ops = tuple(dict.fromkeys(k.op for b in plan.blocks for k in b.kept))
+    predicted = (plan.saved_at_batch, plan.recompute_flops)
+    return Recipe(tuple(len(b.kept) for b in plan.blocks), kept_ops, measured, predicted, seconds)
 
 
 @dataclass(frozen=True)
 class CaseResult:
-    """One model's rows, where the time went, and the modules Note [Modules without a backward] filled in."""
+    """One model's rows, torchtitan's recipe, where the time went, and the modules Note [Modules without a
+    backward] filled in."""
 
     case: Case
     rows: tuple[Row, ...]
-    seconds: Mapping[str, float]
+    recipe: Recipe
+    stats_seconds: float
+    """Collecting torch's stats for the ILP (once per model, before any solve)."""
+    measuring_seconds: float
+    """Measuring the ILP's choices (each distinct one once)."""
     no_backward: tuple[str, ...]
 
 
 def run_case(case: Case) -> CaseResult:
     """Every budget of one model; the real model is built once and copied by each measurement."""
-    seconds: dict[str, float] = {}
     torch.manual_seed(0)
     real = case.build()
     measured: dict[tuple[tuple[str, tuple[OpKey, ...]], ...], PlanMeasurement | str] = {}
@@ -401,20 +496,22 @@ def run_case(case: Case) -> CaseResult:
     every = measure_plan(real, case.inputs, _hand_plan(case, {b: () for b in case.blocks}), loss=case.loss)
     start = time.perf_counter()
     stats = collect_torch_stats(case)
-    seconds["torch stats"] = time.perf_counter() - start
+    stats_seconds, measuring = time.perf_counter() - start, 0.0
     rows = []
     for fraction in FRACTIONS:
         budget = round(every.saved + fraction * (every.unplanned - every.saved))
         start = time.perf_counter()
         plan = plan_checkpointing(real, case.inputs, list(case.blocks), budget=budget, batch=case.batch, loss=case.loss)
-        seconds["fxmem plan"] = seconds.get("fxmem plan", 0.0) + time.perf_counter() - start
+        ours_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        same, best, least, tried = fit_ilp(stats, case, budget, every.unplanned, measure_ilp)
-        seconds["torch ILP + its measurements"] = seconds.get("torch ILP + its measurements", 0.0) + time.perf_counter() - start
+        same, best, least, tried, solving = fit_ilp(stats, case, budget, every.unplanned, measure_ilp)
+        measuring += time.perf_counter() - start - solving
         ours = measure_plan(real, case.inputs, plan, loss=case.loss)
-        rows.append(Row(budget, ours, (plan.saved_at_batch, plan.recompute_flops), every, same, best, least, tried))
+        predicted = (plan.saved_at_batch, plan.recompute_flops)
+        rows.append(Row(budget, ours, predicted, ours_seconds, every, same, best, least, tried, solving))
         print(f"  {case.name}: budget {budget} done", file=sys.stderr, flush=True)
-    return CaseResult(case, tuple(rows), seconds, stats.no_backward)
+    recipe = run_recipe(real, case)  # last, as the first chooser to run pays the process's warm-up
+    return CaseResult(case, tuple(rows), recipe, stats_seconds, measuring, stats.no_backward)
 
 
 # --- the table ----------------------------------------------------------------------------------------
@@ -451,10 +548,7 @@ def _holds(row: Row) -> tuple[bool | None, str]:
 def _ratio(row: Row) -> str:
     if row.best_fit is None or row.best_fit.measured is None:
         return "-"
-    ours, theirs = row.fxmem.recompute_flops, row.best_fit.measured.recompute_flops
-    if theirs == 0:
-        return "0 / 0" if ours == 0 else "inf"
-    return f"{ours / theirs:.3f}"
+    return _flops_ratio(row.fxmem.recompute_flops, row.best_fit.measured.recompute_flops)
 
 
 def _choice(ilp: Ilp) -> str:
@@ -464,19 +558,62 @@ def _choice(ilp: Ilp) -> str:
     return f"cut {ilp.cut:,} B: " + (blocks or "no block")
 
 
-def render_case(result: CaseResult) -> str:
-    case, rows = result.case, result.rows
-    head = (
-        "| budget (B) | fxmem saved | fxmem FLOPs | every block saved | every block FLOPs | ILP same cut saved "
-        "| ILP same cut FLOPs | ILP fitted saved | ILP fitted FLOPs | fxmem / ILP fitted FLOPs | claim |"
+def _flops_ratio(ours: int, theirs: int) -> str:
+    if theirs == 0:
+        return "0 / 0" if ours == 0 else "inf"
+    return f"{ours / theirs:.3f}"
+
+
+def _recipe_lines(result: CaseResult) -> list[str]:
+    """What torchtitan's recipe keeps and costs, and how fxmem's choice compares with it at each budget."""
+    recipe, m = result.recipe, result.recipe.measured
+    ops = f" ({', '.join(recipe.kept_ops)})" if recipe.kept_ops else ""
+    predicted = "the same" if recipe.predicted == (m.saved, m.recompute_flops) else str(recipe.predicted)
+    lines = [
+        f"torchtitan's per-op recipe (`op_sac_plan`, the CPU's save list; no budget) checkpoints every block, keeping "
+        f"{', '.join(map(str, recipe.kept))} ops{ops}: it saves {m.saved:,} B and recomputes {m.recompute_flops:,} FLOPs; predicted {predicted}."
+    ]
+    for r in result.rows:
+        ours = r.fxmem
+        if recipe.fits(r.budget):
+            lines.append(
+                f"At {r.budget:,} B the recipe fits; fxmem's choice recomputes {ours.recompute_flops:,} FLOPs, "
+                f"{_flops_ratio(ours.recompute_flops, m.recompute_flops)} x the recipe's, and saves {ours.saved:,} B."
+            )
+        else:
+            mine = "fits" if ours.saved <= r.budget else "is over too"
+            lines.append(f"At {r.budget:,} B the recipe is {m.saved - r.budget:,} B over; fxmem's choice {mine} ({ours.saved:,} B).")
+    return lines
+
+
+def _seconds_line(result: CaseResult) -> str:
+    """The choosers' wall times side by side, then the rest of where the run's time went."""
+    rows = result.rows
+    fxmem = ", ".join(f"{r.fxmem_seconds:.2f}" for r in rows)
+    same = ", ".join(f"{r.same_cut.seconds:.2f}" for r in rows)
+    fitted = ", ".join(f"{r.ilp_seconds:.2f} ({r.tried} solves)" for r in rows)
+    return (
+        f"Seconds choosing, per budget: fxmem's plan_checkpointing {fxmem}; torch's ILP at the same cut {same}, "
+        f"fitted {fitted}, after {result.stats_seconds:.2f} collecting its stats once; torchtitan's op_sac_plan "
+        f"{result.recipe.seconds:.2f} once. Measuring the ILP's choices: {result.measuring_seconds:.1f}."
     )
-    lines = [f"### {case.name}, B={case.batch}, blocks {', '.join(case.blocks)}", "", head, "|" + "---|" * 11]
+
+
+def render_case(result: CaseResult) -> str:
+    case, rows, recipe = result.case, result.rows, result.recipe
+    head = (
+        "| budget (B) | fxmem saved | fxmem FLOPs | fxmem s | every block saved | every block FLOPs | recipe saved | recipe FLOPs "
+        "| ILP same cut saved | ILP same cut FLOPs | ILP same cut s | ILP fitted saved | ILP fitted FLOPs "
+        "| fxmem / ILP fitted FLOPs | claim |"
+    )
+    lines = [f"### {case.name}, B={case.batch}, blocks {', '.join(case.blocks)}", "", head, "|" + "---|" * 15]
     for r in rows:
         holds, why = _holds(r)
         cells = [
-            f"{r.budget:,}", _saved(r.fxmem, r.budget), f"{r.fxmem.recompute_flops:,}",
+            f"{r.budget:,}", _saved(r.fxmem, r.budget), f"{r.fxmem.recompute_flops:,}", f"{r.fxmem_seconds:.2f}",
             _saved(r.every, r.budget), f"{r.every.recompute_flops:,}",
-            *_ilp_cells(r.same_cut, r.budget), *_ilp_cells(r.best_fit, r.budget), _ratio(r),
+            _saved(recipe.measured, r.budget), f"{recipe.measured.recompute_flops:,}",
+            *_ilp_cells(r.same_cut, r.budget), f"{r.same_cut.seconds:.2f}", *_ilp_cells(r.best_fit, r.budget), _ratio(r),
             {True: "holds", False: f"FAILS: {why}", None: f"unchecked vs ILP: {why}"}[holds],
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -486,6 +623,7 @@ def render_case(result: CaseResult) -> str:
         if r.least is not None and r.least.measured is not None:
             fitted += f"; the least any kept: {r.least.measured.saved:,} B ({r.least.measured.recompute_flops:,} FLOPs), {_choice(r.least)}"
         lines.append(f"At {r.budget:,} B the ILP chose, at the same cut, {_choice(r.same_cut)}; fitted ({r.tried} cuts tried): {fitted}.")
+    lines += _recipe_lines(result)
     mismatches = [r for r in rows if r.fxmem_predicted != (r.fxmem.saved, r.fxmem.recompute_flops)]
     lines.append(
         "fxmem's predicted saved bytes and recompute FLOPs equal the measured ones on every row."
@@ -499,8 +637,26 @@ def render_case(result: CaseResult) -> str:
     lines += [f"Note: {n}" for n in notes]
     if result.no_backward:
         lines.append(f"Note: MemTracker saw no backward for {', '.join(result.no_backward)} (Note [Modules without a backward]).")
-    lines.append("Seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()) + ".")
+    lines.append(_seconds_line(result))
     return "\n".join(lines)
+
+
+def _versus_recipe(results: Sequence[CaseResult]) -> str:
+    """fxmem's choice beside torchtitan's recipe on every row: where the recipe fits, FLOPs compared; where
+    it does not, whether fxmem's choice does."""
+    rows = [(res, r) for res in results for r in res.rows]
+    fits = [(res, r) for res, r in rows if res.recipe.fits(r.budget)]
+    over = [(res, r) for res, r in rows if not res.recipe.fits(r.budget)]
+    more = [
+        f"{res.case.name} at {r.budget:,} B" for res, r in fits if r.fxmem.recompute_flops > res.recipe.measured.recompute_flops
+    ]  # fmt: skip
+    text = f" Against torchtitan's per-op recipe (no budget): it fits the budget on {len(fits)} of {len(rows)} rows"
+    if fits:
+        text += f", and there fxmem's choice recomputes no more FLOPs on {len(fits) - len(more)} of {len(fits)}"
+        text += f" (more at: {'; '.join(more)})" if more else ""
+    if over:
+        text += f"; where it does not fit, fxmem's choice fits on {sum(r.fxmem.saved <= r.budget for _, r in over)} of {len(over)}"
+    return text + "."
 
 
 def verdict(results: Sequence[CaseResult]) -> str:
@@ -517,21 +673,59 @@ def verdict(results: Sequence[CaseResult]) -> str:
     )
     return (
         head + tail + " (Claim: fxmem's choice keeps the saved bytes under the budget and recomputes no more FLOPs "
-        "than checkpointing every block and than torch's SAC ILP's fitted choice, all measured.)"
+        "than checkpointing every block and than torch's SAC ILP's fitted choice, all measured.)" + _versus_recipe(results)
     )
+
+
+# --- the timing targets -------------------------------------------------------------------------------
+
+
+def run_speed(indices: Sequence[int] | None) -> list[Any]:
+    """benchmarks/plan_speed.py's cases (all, or these indices into its CASES), one after another: each a
+    ``plan_speed.Timing``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import plan_speed
+
+    chosen = range(len(plan_speed.CASES)) if not indices else indices
+    timings = []
+    for index in chosen:
+        timings.append(plan_speed.time_case(index))
+        print(f"  {timings[-1].label}: {timings[-1].wall:.1f} s", file=sys.stderr, flush=True)
+    return timings
+
+
+def render_speed(timings: Sequence[Any]) -> str:
+    lines = [
+        "### Timing targets: `fxmem.planner.search.plan` on this machine's CPU (benchmarks/plan_speed.py's cases)",
+        "",
+        "| case | wall (s) | target (s) | wall / target | met |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| {t.label} | {t.wall:.1f} | {t.target:.0f} | {t.ratio:.2f} | {'met' if t.met else 'missed'} |" for t in timings]
+    missed = [t.label for t in timings if not t.met]
+    lines += ["", f"Timing targets met on {len(timings) - len(missed)} of {len(timings)}" + (f"; missed: {'; '.join(missed)}." if missed else ".")]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--only", type=int, nargs="+", metavar="N", help="run only these cases (0-based indices into CASES)")
+    speed = parser.add_mutually_exclusive_group()
+    speed.add_argument("--skip-speed", action="store_true", help="leave out the timing targets (benchmarks/plan_speed.py's cases)")
+    speed.add_argument(
+        "--only-speed", type=int, nargs="*", metavar="N", help="only the timing targets: all, or these indices into plan_speed.CASES"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    results = []
-    for i, case in enumerate(CASES):
-        if args.only is None or i in args.only:
-            results.append(run_case(case))
-            print(render_case(results[-1]) + "\n", flush=True)
-    print(verdict(results))
+    if not args.skip_speed:  # first, in a fresh process: nothing the tables leave behind is paid for in the timings
+        print(render_speed(run_speed(args.only_speed)) + "\n", flush=True)
+    if args.only_speed is None:
+        results = []
+        for i, case in enumerate(CASES):
+            if args.only is None or i in args.only:
+                results.append(run_case(case))
+                print(render_case(results[-1]) + "\n", flush=True)
+        print(verdict(results))
     print(f"(whole run: {time.perf_counter() - start:.0f} s)", file=sys.stderr)
     return 0
 

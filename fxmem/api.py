@@ -41,7 +41,7 @@ from fxmem.step.pipeline import (
     split_stages,
 )
 from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
-from fxmem.step.sharding import engine_share, shard_state, units_of
+from fxmem.step.sharding import engine_share, offloaded_state, shard_state, units_of
 from fxmem.step.state import HeldState, get_optimizer, held_state, state_bytes
 from fxmem.step.timeline import simulate_step
 from fxmem.step.parallelism import check_tp_optimizer, parallel_plan, sequence_plan
@@ -92,6 +92,7 @@ def analyze(
     stages_per_rank: int | None = None,
     world_size: int | None = None,
     shard: str | None = None,
+    offload: bool | None = None,
     _flags: bool = False,
 ) -> Report:
     """Predict the training step's activation bytes per node as a*B + c, and the model state.
@@ -152,7 +153,8 @@ def analyze(
     parallel = merge(
         parallel, Parallelism,
         {"fsdp": fsdp, "fsdp_units": fsdp_units, "tp": tp, "tp_plan": tp_plan, "sp": sp, "pp": pp, "microbatches": microbatches,
-         "schedule": schedule, "pp_splits": pp_splits, "stages_per_rank": stages_per_rank, "world_size": world_size, "shard": shard},
+         "schedule": schedule, "pp_splits": pp_splits, "stages_per_rank": stages_per_rank, "world_size": world_size, "shard": shard,
+         "offload": offload},
     )  # fmt: skip
     modes = [(m, m.training) for m in model.modules()]
     try:
@@ -206,13 +208,17 @@ def _analyze(
     say = progress or _silent
     model.train()
     say("tracing the model")
-    traced, shallow = trace_blocks(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
+    compute = setup.state_dtype or (torch.bfloat16 if setup.fsdp_mixed else None)  # Note [Tracing in the weights' compute dtype]
+    traced, shallow = trace_blocks(model, _in_dtype(specs, compute), name=name, leaf_types=leaf_types, frontend=frontend, compute_dtype=compute)
     gm = traced.gm
     layers = sequence_plan(model, parallel.tp, parallel.tp_plan, parallel.sp, name)
     plan = parallel_plan(model, setup, parallel.fsdp_units, layers, peak, name)
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
     simulate = _step_simulator(specs, loss_fn, opt, name, seq, setup, impl, plan, strict)
-    shared = SharedPasses(simulate) if peak and plan is None else None  # Note [One pass for the capture and the step]
+    # Note [One pass for the capture and the step]; under a parallel plan only where the step is made from
+    # the shallow copies: one rank's symbolic step of a whole deep model (a checkpointed one) costs more
+    # than the capture pass it would replace, and a report asked only at its own batch never needs it.
+    shared = SharedPasses(simulate) if peak and (plan is None or shallow is not None) else None
     accounting = _account(gm, specs, loss_fn, name, say, seq, strict, setup, shallow, plan, shared)
     say("counting model state")
     check_tp_optimizer(model, plan, impl, name)
@@ -226,7 +232,8 @@ def _analyze(
         held = _held_state(model, opt, param_dtype, setup, impl, per_gpu)
         steps = _simulate_steps(gm, step, say, seq, batch, device, held, shallow, plan)
         if plan is not None:
-            per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size, setup.engine_name)
+            host = offloaded_state(model, plan.world_size, opt, impl) if plan.offload else None  # Note [FSDP2's CPU offload]
+            per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size, setup.engine_name, host)
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
         bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold, checkpointed=len(checkpoint_regions(gm)),

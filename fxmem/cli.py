@@ -246,6 +246,7 @@ def _parallel_options(p: Any) -> None:
     p.add_argument("--world-size", type=_positive_int, default=1, metavar="N", help="GPUs training together (data parallel); --batch is then the per-GPU micro-batch")
     p.add_argument("--shard", choices=SHARDS, default="none", help="how state is divided across the N GPUs: DeepSpeed ZeRO stage 1/2/3 or PyTorch FSDP (full shard)")
     p.add_argument("--fsdp", type=_positive_int, default=1, metavar="N", help="simulate one rank of FSDP2 over N ranks: fully_shard itself runs on a fake process group (each repeated block a unit, then the root); --batch is the rank's micro-batch. The same as --world-size N --shard fsdp")
+    p.add_argument("--offload", action="store_true", help="with --fsdp: FSDP2's CPUOffloadPolicy, the sharded weights, gradients and optimizer state in host memory (the GPU holds the gathered weights, activations and transfer copies)")
     p.add_argument("--fsdp-unit", action="append", metavar="PATH", help="with --fsdp: a module fully_shard wraps as a unit (repeat for several; default each repeated block)")
     p.add_argument("--tp", type=_positive_int, default=1, metavar="T", help="simulate one rank of tensor parallel over T ranks: parallelize_module itself runs on a fake process group, with the model's own plan (a HF model's _tp_plan) or --tp-plan; with --fsdp N, one rank of an N x T mesh")
     p.add_argument("--tp-plan", action="append", metavar="PATH=STYLE", help="with --tp: give the module at PATH (* one path component, e.g. layers.*.mlp.up_proj) a style: colwise or rowwise (also colwise_gather_output, embedding_rowwise, and for sequence parallel sequence_parallel, sequence_parallel_gather_output, colwise_gather_input, rowwise_scatter_output, sequence_shard_input); repeat for each; default the model's own plan")
@@ -268,7 +269,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "target": args.target, "gpu": args.gpu, "amp": args.amp, "precision": args.precision or "",
         "world_size": args.world_size, "shard": args.shard, "optimizer_impl": args.optimizer_impl, "overheads": overheads,
-        "torch_version": args.torch_version, "fsdp": args.fsdp, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
+        "torch_version": args.torch_version, "fsdp": args.fsdp, "offload": args.offload, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
         "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "pp_splits": args.pp_split,
         "stages_per_rank": args.stages_per_rank, "alloc_conf": args.alloc_conf, "memory_fraction": args.memory_fraction,
         "_flags": True,  # a note names the setting as its flag (--world-size), not as the API's field
@@ -383,7 +384,8 @@ def _plan_parser(sub: Any) -> None:
     v.add_argument("--memory", metavar="SIZE", help="memory per GPU to fit in, e.g. 40GiB (default: the GPU's)")
     v.add_argument("--global-batch", type=_positive_int, metavar="G", help="samples per optimizer step, reached by micro-batch x accumulation x data-parallel GPUs (default: the largest micro-batch that fits)")
     s = g.training
-    s.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but optimizer: a leaner optimizer changes the training)")
+    s.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but offload, which moves FSDP2's state to host memory, and optimizer, which changes the training; where nothing fits, the plan says which of them would)")
+    s.add_argument("--format", choices=("table", "json"), default="table", help="table (default), or json: the plan as one JSON object on stdout (progress and notes go to stderr)")
     s.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     s.add_argument("--emit", metavar="FILE.py", help="write a runnable file that applies the best configuration (optimizer, autocast, accumulation, checkpointing)")
     s.add_argument("--verify", action="store_true", help="with --target cpu: apply the best configuration to the real model and measure one real step (a sharded one on as many real gloo processes)")
@@ -811,6 +813,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
 
     memory = parse_size(args.memory, "--memory") if args.memory else None
     levers = [lever.strip() for lever in args.allow.split(",") if lever.strip()]
+    if args.verify and args.format == "json":
+        raise InputSpecError("plan --verify prints a measurement beside the table; run it without --format json.")
     if args.verify and args.target != "cpu":
         raise InputSpecError("plan --verify measures the plan on this machine's CPU: give --target cpu (and --memory).")
     spec = _load(args, say)
@@ -818,6 +822,8 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         spec.model, spec.inputs, gpu=args.gpu, target=args.target, gpus=args.gpus, memory=memory, global_batch=args.global_batch,
         allow=levers, loss=spec.loss, optimizer=get_optimizer(args.optimizer).name, name=args.spec, seq_len=_analysis_seq_len(args, spec), progress=say,
     )  # fmt: skip
+    if args.format == "json":
+        return _plan_json(args, found)
     text = plan_table(found)
     if args.emit and found.best is not None:
         Path(args.emit).write_text(emit_plan(found))
@@ -830,6 +836,17 @@ def _plan(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         ranks = f" (the highest of {len(v.ranks)} real ranks: {', '.join(str(r.peak) for r in v.ranks)} B)" if v.ranks else ""
         text += f"Verified: peak {v.measured_peak} B measured{ranks}, {found.best.peak} B predicted ({100 * v.peak_error:+.2f}%){saved}.\n"
     return text
+
+
+def _plan_json(args: argparse.Namespace, found: Any) -> str:
+    """``plan --format json``: ``plan_json`` on stdout, the emitted file written as with the table."""
+    import json
+
+    from fxmem.planner.show import emit_plan, plan_json
+
+    if args.emit and found.best is not None:
+        Path(args.emit).write_text(emit_plan(found))
+    return json.dumps(plan_json(found), indent=2) + "\n"
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace, Callable[[str], None]], str | _Output]] = {

@@ -67,6 +67,8 @@ from fxmem.engine.binding import storage_of
 from fxmem.engine.losses import get_loss
 from fxmem.engine.recompute import selective_caches
 from fxmem.errors import CaptureError, InputSpecError
+from fxmem.frontends.huggingface import prepared_for_training
+from fxmem.frontends.load import import_user_file, user_files
 from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
 from fxmem.parallel import ParallelPlan, apply_plan, plan_mesh, tp_layers
@@ -147,6 +149,7 @@ def measure_ranks(
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fxmem-ranks-") as where:
         folder = Path(where)
+        _hand_user_files(folder)
         try:
             torch.save(config, folder / "step.pt")
         except Exception as e:  # the ranks are other processes: the model reaches them pickled
@@ -157,6 +160,20 @@ def measure_ranks(
             ) from e
         _launch(folder, world, timeout, name)
         return tuple(_read(folder / f"rank{r}.json") for r in range(world))
+
+
+def _hand_user_files(folder: Path) -> None:
+    """Name the .py files that file specs imported here, for the ranks to import under the same
+    module names before they unpickle the step: a class such a file defines is pickled by its module's
+    name, ``fxmem_user_<hash>``, which another process cannot recompute (fxmem/frontends/load.py)."""
+    files = {name: path for name, path in user_files().items() if Path(path).is_file()}
+    (folder / "user_files.json").write_text(json.dumps(files))
+
+
+def _import_user_files(folder: Path) -> None:
+    """Import the files ``_hand_user_files`` named, under their names in the process that named them."""
+    for name, path in json.loads((folder / "user_files.json").read_text()).items():
+        import_user_file(name, path)
 
 
 def _pipeline(
@@ -253,6 +270,7 @@ def _rank_step(folder: Path) -> None:
     """Shard, take the step, write ``rank{N}.json``."""
     import torch.distributed as dist
 
+    _import_user_files(folder)
     config = torch.load(folder / "step.pt", weights_only=False)
     torch.set_num_threads(config["threads"])
     dist.init_process_group("gloo")
@@ -262,6 +280,14 @@ def _rank_step(folder: Path) -> None:
         dist.destroy_process_group()
         return
     model = config["model"].train()
+    with prepared_for_training(model):  # the step fxmem simulates: a HF model without its key/value cache
+        result = _measure_rank(config, model, rank)
+    (folder / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _measure_rank(config: dict[str, Any], model: nn.Module, rank: int) -> dict[str, Any]:
+    """This rank's real step, sharded as ``config`` says, measured."""
     if config["prepare"] is not None:
         model = config["prepare"](model)
     apply_plan(model, config["plan"], plan_mesh(config["plan"]), config["name"])
@@ -286,12 +312,10 @@ def _rank_step(folder: Path) -> None:
     everything, _, _, _ = _highest(prof)
     saved = _saved_bytes(model, args, kwargs, loss_fn, target, name, held)
     opt.zero_grad(set_to_none=True)
-    result = {
+    return {
         "rank": rank, "peak": baseline + top, "phase": phase.value, "baseline": baseline, "saved": saved, "with_backend": baseline + everything,
         "phases": {p.value: baseline + t for p, t in tops.items()},
     }  # fmt: skip
-    (folder / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
 
 
 def _pipeline_rank(config: dict[str, Any], rank: int) -> dict[str, Any]:

@@ -128,6 +128,10 @@ class Parallelism:
     """Data-parallel GPUs whose state ``shard`` divides by DeepSpeed's formulas."""
     shard: str = "none"
     """"none", "zero1", "zero2", "zero3" or "fsdp": which part of the state ``world_size`` GPUs divide."""
+    offload: bool = False
+    """With ``fsdp``: FSDP2's ``CPUOffloadPolicy``, the sharded weights, their gradients and the
+    optimizer state in host memory (the optimizer step on the CPU), each unit's shards copied to the
+    device for its all-gather (Note [FSDP2's CPU offload] in fxmem/parallel/fsdp.py)."""
 
     def __post_init__(self) -> None:
         if self.fsdp_units is not None:

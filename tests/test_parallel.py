@@ -216,3 +216,18 @@ def test_checkpointed_model_keeps_its_checkpoints_on_a_rank() -> None:
     rank = fxmem.analyze(checkpointed, inputs, loss="lm_cross_entropy", batch=2, target="cpu", fsdp=2)
     assert one.activation_bytes(2) < plain.activation_bytes(2)
     assert rank.activation_bytes(2) == one.activation_bytes(2)
+
+
+def test_fsdp_mixed_precision_policy_on_a_hugging_face_llama() -> None:
+    """The recipe most 8B runs use, on a HF Llama: ``LlamaRMSNorm`` reads its input's dtype and casts
+    back to it, a constant in any trace. Traced with fp32 weights the graph would hand q_proj an
+    fp32 activation against bf16 gathered weights (Note [Tracing in the weights' compute dtype] in
+    fxmem/frontends/deepen.py); traced with bf16 weights it runs as two real ranks do, to the byte
+    of what autograd saves, and the shards stay fp32."""
+    pytest.importorskip("transformers")
+    model, inputs = tiny_llama(), ["input_ids=B,16:int64"]
+    report = fxmem.analyze(model, inputs, batch=2, target="cpu", fsdp=2, precision="mixed", loss="cross_entropy")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the model is given back as it came
+    assert {p.dtype for p in report.graph.parameters()} == {torch.float32}
+    ranks = measure_ranks(model, inputs, 2, fsdp=2, units=report.fsdp_units, loss="cross_entropy", mixed=True)
+    assert [m.saved for m in ranks] == [report.activation_bytes(2)] * 2

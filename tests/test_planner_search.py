@@ -45,17 +45,23 @@ def test_micro_batch_and_accumulation_reach_the_global_batch() -> None:
 
 
 def test_fitting_configurations_are_ranked_by_estimated_throughput() -> None:
-    """Each precision and optimizer implementation is its own simulated step; the table lists them
-    fastest first, and bf16 autocast keeps fewer bytes of activations than fp32 at the same batch."""
+    """On a GPU, bf16 autocast is simulated first; where it fits, fp32 of the same layout is ruled out
+    unsimulated (the roofline runs its matmuls at the fp32 rate: H100 67 against 989.5 TFLOPS), and so
+    is the fused implementation (it changes only the optimizer step's own allocations, and torch's
+    default fits the whole global batch of 64). The plan says why for each. fp32 alone (precision not
+    allowed) fits too, holds more than autocast at the same micro-batch, and ranks below it."""
     model, inputs = _gpt()
     found = plan(model, inputs, loss=LOSS, memory=2 * 2**30, global_batch=64, allow=["batch", "precision", "optimizer-impl"])
-    speeds = [c.samples_per_second for c in found.fitting]
-    assert len(found.fitting) == 4 and speeds == sorted(speeds, reverse=True)
-    by_name = {c.config.describe(): c for c in found.fitting}
-    assert by_name["amp (bf16 autocast), adamw"].peak < by_name["fp32, adamw"].peak
+    assert [c.config.describe() for c in found.fitting] == ["amp (bf16 autocast), adamw"]
+    outcomes = {e.config: e.outcome for e in found.evaluated}
+    assert outcomes["fp32, adamw"].startswith("ruled out: a bf16 configuration of the same layout fits")
+    assert outcomes["amp (bf16 autocast), adamw, fused"].startswith("ruled out: torch's default implementation")
+    fp32 = plan(model, inputs, loss=LOSS, memory=2 * 2**30, global_batch=64, allow=["batch"]).best
+    amp = found.best
+    assert fp32 is not None and amp is not None and fp32.micro_batch == amp.micro_batch
+    assert amp.peak < fp32.peak and amp.samples_per_second > fp32.samples_per_second
     table = plan_table(found)
-    assert table.index(found.fitting[0].config.describe()) < table.index(found.fitting[-1].config.describe())
-    assert "Best: " in table
+    assert "Best: amp (bf16 autocast), adamw" in table
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +167,14 @@ def test_checkpointing_under_fsdp2_verified_on_real_ranks(long_gpt: tuple[torch.
 
 def test_precision_lever_verified(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
     """A budget halfway between micro-batch 1's step in bf16 autocast and in fp32: only autocast fits
-    (with torch's default AdamW and with the fused one). Each, run for real on the CPU under autocast
-    with its optimizer implementation, peaks within 1% of its simulated step."""
+    (with torch's default AdamW; the fused one is ruled out unsimulated, since the default fits and
+    its next batch peaks outside the optimizer step). It, run for real on the CPU under autocast,
+    peaks within 1% of its simulated step."""
     model, inputs, full = long_gpt
     amp = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu", amp="bf16")
     memory = (amp.step_bytes(1) + full.step_bytes(1)) // 2
     found = plan(model, inputs, loss=LOSS, target="cpu", memory=memory, allow=["batch", "precision", "optimizer-impl"])
-    assert {c.config.precision for c in found.fitting} == {"amp"} and len(found.fitting) == 2
+    assert {c.config.precision for c in found.fitting} == {"amp"} and len(found.fitting) == 1
     for candidate in found.fitting:
         proof = verify(candidate, model, inputs, loss=LOSS)
         assert abs(proof.measured_peak - candidate.peak) <= 0.01 * candidate.peak, (
@@ -190,9 +197,11 @@ def test_optimizer_levers_verified(lever: str, config: str) -> None:
     alone = fxmem.analyze(model, inputs, loss=LOSS, batch=1, target="cpu", **option)  # type: ignore[arg-type]
     memory = (alone.step_bytes(1) + default.step_bytes(1)) // 2
     found = plan(model, inputs, loss=LOSS, target="cpu", memory=memory, global_batch=1, allow=["batch", lever])
-    assert [c.config.describe() for c in found.fitting] == [config]
-    proof = verify(found.fitting[0], model, inputs, loss=LOSS)
-    assert abs(proof.measured_peak - found.fitting[0].peak) <= 0.01 * found.fitting[0].peak
+    names = [c.config.describe() for c in found.fitting]
+    assert config in names and "fp32, adamw" not in names  # SGD with momentum, the leanest, fits too where the optimizer may change
+    chosen = found.fitting[names.index(config)]
+    proof = verify(chosen, model, inputs, loss=LOSS)
+    assert abs(proof.measured_peak - chosen.peak) <= 0.01 * chosen.peak
 
 
 def test_nothing_fits_names_the_closest_and_its_shortfall(long_gpt: tuple[torch.nn.Module, list[str], fxmem.Report]) -> None:
@@ -203,7 +212,7 @@ def test_nothing_fits_names_the_closest_and_its_shortfall(long_gpt: tuple[torch.
     short = found.closest.total - memory  # the closest's total at B=1 over the memory
     from fxmem.output.render import format_bytes
 
-    assert f"{format_bytes(short)} short" in found.verdict() and "shard the state over more GPUs" in found.verdict()
+    assert f"{format_bytes(short)} short" in found.verdict() and "shard the state over more processes (--gpus)" in found.verdict()
 
 
 def test_several_gpus_try_fsdp2_and_fsdp2_by_tensor_parallel() -> None:
@@ -216,7 +225,7 @@ def test_several_gpus_try_fsdp2_and_fsdp2_by_tensor_parallel() -> None:
     assert layouts[(4, 1, 4)].state < layouts[(1, 1, 4)].state
     assert all(c.global_batch == 64 for c in found.fitting)
     code = emit_plan(found, layouts[(2, 2, 2)])
-    assert "parallelize_module(model, mesh['tp']" in code and "fully_shard(model, mesh=mesh['dp']" in code
+    assert 'parallelize_module(model, mesh["tp"]' in code and 'fully_shard(model, mesh=mesh["dp"]' in code
     compile(code, "plan.py", "exec")
 
 
@@ -262,3 +271,41 @@ def test_bad_requests_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[
     ]
     assert main(argv) == 2
     assert "optimizer 'lion' has none fxmem knows" in capsys.readouterr().err
+
+
+def test_the_torchtitan_recipe_is_a_candidate_and_never_beats_the_best() -> None:
+    """On 2 GPUs of a cuda target the zoo GPT's plan carries torchtitan's Llama 3 recipe (FSDP2 with
+    bf16 weights and fp32 reduction, every block per-op checkpointed, fused AdamW, local batch 1)
+    ranked beside the search's own configurations: the best is at least as fast by the same roofline.
+    The GPT test config's linears have biases (aten.addmm, not in torchtitan's save list), so the
+    recipe keeps no op's output and recomputes each block's forward: FLOPs recomputed > 0."""
+    from fxmem.planner.search import TORCHTITAN
+
+    model, inputs = _gpt()
+    found = plan(model, inputs, loss=LOSS, gpus=2, allow=["batch", "precision", "shard"])
+    recipe = next(c for c in found.fitting if c.recipe == TORCHTITAN)
+    assert recipe.micro_batch == 1 and recipe.config.fsdp == 2 and recipe.config.precision == "mixed"
+    assert recipe.config.optimizer_impl == "fused" and recipe.recompute_flops > 0
+    assert found.best is not None and found.best.samples_per_second >= recipe.samples_per_second
+    assert any(e.config == TORCHTITAN and e.outcome == "fits" for e in found.evaluated)
+
+
+def test_plan_as_json_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """``fxmem plan --format json`` prints one JSON object whose best candidate is the table's."""
+    import json
+
+    from fxmem.cli import main
+
+    assert main(["plan", "zoo:gpt2-small:test", "--target", "cpu", "--memory", "64MiB", "--allow", "batch", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["best"]["micro_batch"] >= 1 and data["verdict"].startswith("Best: ")
+
+
+def test_optimizer_implementations_are_offered_where_the_optimizer_has_them() -> None:
+    """Adafactor and 8-bit Adam have no fused kernel (fxmem/rules/optimizers.py): with both levers
+    allowed the search offers fused only to AdamW, and no configuration fails for it."""
+    model, inputs = _gpt()
+    found = plan(model, inputs, loss=LOSS, target="cpu", memory=64 * 2**20, allow=["batch", "optimizer-impl", "optimizer"])
+    considered = [e.config for e in found.evaluated]
+    assert "fp32, adamw, fused" in considered and not any(c.startswith("fp32, adafactor, fused") for c in considered)
+    assert not found.skipped and found.best is not None

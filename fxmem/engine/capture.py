@@ -258,6 +258,13 @@ class StepCapture:
         if self.recording:
             self.book.pack(t)
 
+    def module_entered(self, module: nn.Module) -> None:
+        """A hooked module's pre-hooks ran: the parameters its code uses now (a sharding engine's
+        gathered copies) are state, as ``_Recorder.entered`` marks them for ``capture_saved``."""
+        if self.recording:
+            for p in module.parameters():
+                self.book.kinds.setdefault(self.book.key(p), Kind.PARAM)
+
     def loss_starts(self, target: torch.Tensor | None) -> None:
         self.book.current = LOSS_NODE
         if target is not None:

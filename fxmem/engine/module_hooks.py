@@ -132,6 +132,20 @@ def call_forward_hooks(module: nn.Module, args: tuple[Any, ...], kwargs: dict[st
     return output
 
 
+# Note [Module hooks inside a checkpoint]
+#     A checkpointed region runs as one step of the interpreter (fxmem/engine/recompute.py), at its
+#     first node, so the main loop reaches the region's inner nodes only after the whole region ran.
+#     Eager calls a module's hooks where its code begins and ends, inside the checkpointed function
+#     when the module is inside it: torch.utils.checkpoint wraps only the function it is given, and an
+#     exported graph's region starts before a block's first op (at the ops feeding it), so an FSDP2
+#     unit's all-gather must run as the region's forward reaches the unit, not after the region.
+#     ``run_region_node`` runs the hooks there and the main loop skips them for those nodes; a module
+#     opened already (at the region's first node, by the main loop) is not opened again. Backward's
+#     recomputation reruns the function alone (``checkpoint`` reruns ``forward``, not ``__call__``):
+#     no hooks, and each parameter read as the module holds it then (FSDP2's pre-backward hook has
+#     gathered it), not as the forward's closure captured it (the shard, before the unit opened).
+
+
 class ModuleHooks(fx.Interpreter):
     """What an interpreter of a flattened graph adds to call its hooked modules' hooks (mixed in
     before the interpreter class): Note [Module hooks on a flattened graph]. With ``scopes`` None it
@@ -142,14 +156,51 @@ class ModuleHooks(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if self.scopes is None:
             return super().run_node(n)
-        for scope in self.scopes.opening.get(n, ()):
-            self._enter(scope)
+        if n in self._hooked():  # its hooks ran inside a checkpointed region's forward
+            self._hooked().discard(n)
+            return super().run_node(n)
+        self._open_at(n)
+        out = self._close_at(n, super().run_node(n))
+        self._hooked().discard(n)  # a region's first node, run inside its region too
+        return out
+
+    def run_region_node(self, n: fx.Node, run: Callable[[fx.Node], Any]) -> Any:
+        """A node of a checkpointed region, run as the region's forward reaches it: the hooks of the
+        modules that open or close there run around it (Note [Module hooks inside a checkpoint]), and
+        the main loop skips them for that node. In backward's recomputation no hook runs (checkpoint
+        reruns ``forward``, not ``__call__``), and the parameters are read as the hooks left them then."""
+        if self.scopes is None:
+            return run(n)
+        if not getattr(self, "_forward", True):  # recomputed in backward: no hooks, the parameters as they are now
+            self._refresh(n)
+            return run(n)
+        self._open_at(n)
+        out = self._close_at(n, run(n))
+        self._hooked().add(n)
+        return out
+
+    def _hooked(self) -> set[fx.Node]:
+        """Nodes whose hooks already ran inside a checkpointed region's forward (``run_region_node``)."""
+        if not hasattr(self, "_hooked_nodes"):
+            self._hooked_nodes: set[fx.Node] = set()
+        return self._hooked_nodes
+
+    def _open_at(self, n: fx.Node) -> None:
+        for scope in self.scopes.opening.get(n, ()) if self.scopes is not None else ():
+            if scope.path not in self._calls():
+                self._enter(scope)
+        self._refresh(n)
+
+    def _refresh(self, n: fx.Node) -> None:
         for i in n.all_input_nodes:  # a parameter as the hooks left it now (gathered or sharded), not as first read
             if i.op == "get_attr":
                 self.env[i] = self.fetch_attr(str(i.target))
-        out = super().run_node(n)
-        for scope in self.scopes.closing.get(n, ()):
-            out = self._leave(scope, n, out)
+
+    def _close_at(self, n: fx.Node, out: Any) -> Any:
+        for scope in self.scopes.closing.get(n, ()) if self.scopes is not None else ():
+            if scope.path in self._calls():
+                out = self._leave(scope, n, out)
+                self.left(scope)
         return out
 
     def hooks_run(self, scope: Scope, node: fx.Node) -> None:
@@ -157,6 +208,11 @@ class ModuleHooks(fx.Interpreter):
 
     def entered(self, scope: Scope) -> None:
         """Called after a module's pre-hooks ran (its parameters are now what its code uses)."""
+
+    def left(self, scope: Scope) -> None:
+        """Called once a module's forward hooks ran and its call's arguments were let go: what dies
+        now dies as the module's call ends, not when the next node starts (which may be another
+        module's, or none)."""
 
     def _enter(self, scope: Scope) -> None:
         """Call a module's pre-hooks with its arguments and go on with what they return."""

@@ -238,6 +238,11 @@ class RegionInterpreter(fx.Interpreter):
     def _run_in(self, n: fx.Node, env: dict[fx.Node, Any]) -> Any:
         outer, self.env = self.env, env
         try:
-            return self.run_one(n)
+            return self.run_region_node(n, self.run_one)
         finally:
             self.env = outer
+
+    def run_region_node(self, n: fx.Node, run: Callable[[fx.Node], Any]) -> Any:
+        """Run ``n``, a node inside a region (``run``: the interpreter's own step); fxmem/engine/module_hooks.py
+        wraps it in the hooks of the modules that open or close there."""
+        return run(n)

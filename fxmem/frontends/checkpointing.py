@@ -32,6 +32,7 @@ Note [Checkpointed regions]
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
-    "Region", "attach_exported_regions", "attach_regions", "checkpoint_regions", "copy_regions", "recording_checkpoints", "tagging_checkpoints",
+    "Region", "attach_exported_regions", "attach_regions", "checkpoint_regions", "copy_regions", "deepcopy_graph", "recording_checkpoints", "tagging_checkpoints",
 ]  # fmt: skip
 
 _META = "fxmem_checkpoint_regions"
@@ -270,6 +271,19 @@ def attach_regions(gm: fx.GraphModule, regions: list[Region]) -> None:
 def checkpoint_regions(gm: fx.GraphModule) -> tuple[Region, ...]:
     """The checkpointed regions of a graph fxmem traced or exported (none where nothing was checkpointed)."""
     return tuple(gm.meta.get(_META, ()))
+
+
+def deepcopy_graph(gm: fx.GraphModule, memo: dict[int, object]) -> fx.GraphModule:
+    """``copy.deepcopy(gm, memo)`` with its regions carried over by ``copy_regions``. The regions are
+    left out of the copy itself: they hold the graph's Nodes, and deepcopy would follow each Node's
+    links to the next one, a recursion as deep as the graph is long (a 32-block Llama's checkpointed
+    graph exceeds Python's limit)."""
+    regions = gm.meta.get(_META)
+    if regions is not None:
+        memo[id(regions)] = ()  # replaced by copy_regions below
+    copied = copy.deepcopy(gm, memo)
+    copy_regions(gm, copied)
+    return copied
 
 
 def copy_regions(source: fx.GraphModule, copied: fx.GraphModule) -> None:

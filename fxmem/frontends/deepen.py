@@ -30,8 +30,9 @@ Note [An exported graph deepened from its copy]
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,12 +82,77 @@ class _Blocks:
 
 
 def trace_blocks(
-    model: nn.Module, specs: Sequence[InputSpec], *, name: str, leaf_types: Sequence[type] = (), frontend: str = "auto"
+    model: nn.Module,
+    specs: Sequence[InputSpec],
+    *,
+    name: str,
+    leaf_types: Sequence[type] = (),
+    frontend: str = "auto",
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Traced, tuple[BlockStack, dict[int, fx.GraphModule]] | None]:
     """The model's graph, and its block stack with its graphs cut to 3 and 4 blocks where the step
     can be made from them (Note [Repeated blocks]). A model that only torch.export traces is
     exported at 3 and 4 blocks first, and its whole graph is built from those where that is exact
-    (Note [An exported graph deepened from its copy]); it is exported whole otherwise."""
+    (Note [An exported graph deepened from its copy]); it is exported whole otherwise.
+    ``compute_dtype``: the dtype the step computes with its floating weights in (Note [Tracing in the
+    weights' compute dtype]); the parameters keep their own dtype once traced."""
+    shared = _SHARED.get()
+    key = (id(model), tuple(specs), name, tuple(leaf_types), frontend, compute_dtype)
+    if shared is not None and key in shared:
+        return shared[key][1]
+    with weights_in(model, compute_dtype):
+        traced = _trace_blocks(model, specs, name, leaf_types, frontend)
+    if shared is not None:
+        shared[key] = (model, traced)  # the model is held so that its id is not reused while the traces are shared
+    return traced
+
+
+_SHARED: contextvars.ContextVar[dict[tuple[object, ...], tuple[nn.Module, Any]] | None] = contextvars.ContextVar("fxmem_traces", default=None)
+
+
+@contextlib.contextmanager
+def shared_traces() -> Iterator[None]:
+    """Every ``trace_blocks`` of the same model, inputs and compute dtype while open returns the first
+    one's graphs: the planner simulates one model under many levers, and each simulation works on
+    its own copy of the graph (the parallel plans shard a copy, fxmem/parallel/rank.py), so one trace
+    serves them all (a 7B model's trace is about a third of one simulation's time)."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+# Note [Tracing in the weights' compute dtype]
+#     A traced graph keeps a dtype the code read as a constant: Hugging Face's RMSNorm reads
+#     ``input_dtype = hidden_states.dtype``, computes in fp32 and returns ``weight * x.to(input_dtype)``,
+#     which a trace of the fp32 model records as ``to(float32)``. Where the step computes with bf16
+#     weights (a bf16 recipe: ``model.to(bfloat16)``; FSDP2's ``MixedPrecisionPolicy(param_dtype=
+#     bfloat16)``, whose all-gather hands every forward bf16 weights), that graph would feed an fp32
+#     activation to a bf16 ``mm``, which the real run, traced with bf16 weights, never does. So the
+#     model is traced with its floating parameters in the compute dtype, as the real forward sees them
+#     (buffers keep theirs: FSDP2 casts parameters only, torch/distributed/fsdp/_fully_shard/
+#     _fsdp_param.py ``init_all_gather_outputs``), and its parameters are given back their own dtype
+#     afterwards, in the model and in the graph: FSDP2 shards what the model holds.
+
+
+@contextlib.contextmanager
+def weights_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """``model``'s floating parameters in ``dtype`` (their data swapped, the Parameter objects kept) while
+    open; each back in its own dtype on exit. See Note [Tracing in the weights' compute dtype]."""
+    held = [(p, p.data) for p in model.parameters() if dtype is not None and p.is_floating_point() and p.dtype != dtype]
+    for p, data in held:
+        p.data = data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in held:
+            p.data = data
+
+
+def _trace_blocks(
+    model: nn.Module, specs: Sequence[InputSpec], name: str, leaf_types: Sequence[type], frontend: str
+) -> tuple[Traced, tuple[BlockStack, dict[int, fx.GraphModule]] | None]:
     stack = find_block_stack(model)
     if stack is None:
         return trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend), None

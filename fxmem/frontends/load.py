@@ -29,7 +29,10 @@ from fxmem.frontends.huggingface import hf_factory
 from fxmem.frontends.vision import timm_factory, torchvision_factory
 from fxmem.results import ModelSpec
 
-__all__ = ["load_leaf_types", "load_model"]
+__all__ = ["import_user_file", "load_leaf_types", "load_model", "user_files"]
+
+_USER_FILES: dict[str, str] = {}
+"""The .py files run by ``_import_file`` in this process: module name -> resolved path."""
 
 
 def load_model(
@@ -157,26 +160,43 @@ def _import_module(target: str, label: str) -> ModuleType:
         raise LoadError(f"{label}: importing '{target}' raised {type(e).__name__}: {e}.") from e
 
 
+def user_files() -> dict[str, str]:
+    """The .py files that file specs imported in this process, module name -> path. Their module names
+    are this process's own (``fxmem_user_<hash>``, Python's randomized ``hash``), so another process
+    that unpickles a model whose classes they define imports them first with ``import_user_file``."""
+    return dict(_USER_FILES)
+
+
+def import_user_file(name: str, path: str) -> ModuleType:
+    """Import the .py file at ``path`` as module ``name``, as another process's ``user_files`` named it."""
+    return _run_file(Path(path), name, f"user file '{path}'")
+
+
 def _import_file(target: str, label: str) -> ModuleType:
     """Run a .py file as a module, once per process, so that classes it defines keep one identity."""
     path = Path(target).expanduser()
     if not path.is_file():
         raise LoadError(f"{label}: no file '{path}' (from {Path.cwd()}); give the path to a .py file that defines it.")
-    unique = f"fxmem_user_{abs(hash(str(path.resolve())))}"
-    if unique in sys.modules:
-        return sys.modules[unique]
+    return _run_file(path, f"fxmem_user_{abs(hash(str(path.resolve())))}", label)
+
+
+def _run_file(path: Path, name: str, label: str) -> ModuleType:
+    """Run ``path`` as module ``name`` unless it has run, registered before it runs (as import does)."""
+    if name in sys.modules:
+        return sys.modules[name]
     folder = str(path.resolve().parent)
     if folder not in sys.path:  # as `python file.py` does: the file's own folder first, so its sibling modules import
         sys.path.insert(0, folder)
-    module_spec = importlib.util.spec_from_file_location(unique, path)
+    module_spec = importlib.util.spec_from_file_location(name, path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
-    sys.modules[unique] = module
+    sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
-        del sys.modules[unique]
+        del sys.modules[name]
         raise LoadError(f"{label}: running '{path}' raised {type(e).__name__}: {e}.") from e
+    _USER_FILES[name] = str(path.resolve())
     return module
 
 

@@ -723,7 +723,8 @@ def _per_gpu_lines(report: Report) -> list[list[str]]:
         return []
     how = f"{setup.ranks} ranks, {setup.engine_name} run" if setup.engine else f"{setup.world_size} x {setup.shard}"
     head = [f"State per GPU ({how})", format_bytes(share.total), "of the model state above, on each GPU"]
-    return [head, *([f"· {name}", format_bytes(line.nbytes), line.why] for name, line in share.lines() if line.nbytes)]
+    shown = lambda line: line.nbytes or (setup.offload and "host memory" in line.why)  # Note [FSDP2's CPU offload]: 0 B on the device
+    return [head, *([f"· {name}", format_bytes(line.nbytes), line.why] for name, line in share.lines() if shown(line))]
 
 
 def _state_parts(report: Report) -> str:

@@ -21,9 +21,9 @@ from fxmem.engine.binding import fake_like
 from fxmem.engine.capture import SymbolicUnsupported, node_fqn
 from fxmem.engine.module_hooks import ModuleScopes, within
 from fxmem.errors import CaptureError, InputSpecError
-from fxmem.frontends.checkpointing import copy_regions
+from fxmem.frontends.checkpointing import deepcopy_graph
 from fxmem.parallel.fake_group import fake_world
-from fxmem.parallel.fsdp import fsdp_policy, shard_units
+from fxmem.parallel.fsdp import fsdp_policy, offload_policy, shard_units, staged_copies
 from fxmem.parallel.tensor import TpLayer, apply_tp, fused_split_error
 
 __all__ = ["Meshes", "ParallelPlan", "apply_plan", "meshes_outside", "one_rank", "pipeline_meshes", "plan_mesh", "shard_graph", "shard_stage"]
@@ -49,6 +49,9 @@ class ParallelPlan:
     gathered and computed in bf16, gradients reduced in fp32 into fp32 shards."""
     tp: int = 1
     tp_layers: tuple[TpLayer, ...] = ()
+    offload: bool = False
+    """``CPUOffloadPolicy``: the shards, their gradients and the optimizer state in host memory, each
+    unit's shards copied to the device for its all-gather (Note [FSDP2's CPU offload] in fxmem/parallel/fsdp.py)."""
 
     def __post_init__(self) -> None:
         for option, value in (("--fsdp", self.fsdp), ("--tp", self.tp)):
@@ -78,7 +81,8 @@ class ParallelPlan:
 
     def describe(self) -> str:
         """The run in words, for the step's path and the report's header."""
-        parts = [f"FSDP2 over {self.fsdp} (fully_shard on {len(self.units)} units and the root)"] if self.fsdp > 1 else []
+        offload = ", CPU offload" if self.offload else ""
+        parts = [f"FSDP2 over {self.fsdp} (fully_shard on {len(self.units)} units and the root{offload})"] if self.fsdp > 1 else []
         sequence = ", sequence parallel" if any(t.style.startswith("sequence_") for t in self.tp_layers) else ""
         parts += [f"tensor parallel over {self.tp} ({len(self.tp_layers)} layers{sequence})"] if self.tp > 1 else []
         return " x ".join(parts)
@@ -101,7 +105,7 @@ def apply_plan(root: nn.Module, plan: ParallelPlan, meshes: Meshes, model: str =
     if tp is not None:
         apply_tp(root, plan.tp_layers, tp, model)
     if dp is not None:
-        shard_units(root, plan.units, dp, plan.reshard_after_forward, plan.policy(), model)
+        shard_units(root, plan.units, dp, plan.reshard_after_forward, plan.policy(), model, offload_policy(plan.offload))
 
 
 # Note [Data parallel inside pipeline stages]
@@ -165,8 +169,7 @@ def shard_graph(gm: fx.GraphModule, plan: ParallelPlan, meshes: Meshes, mode: Fa
     with mode:
         for t in (*gm.parameters(), *gm.buffers()):
             memo.setdefault(id(t), fake_like(t))
-    sharded = copy.deepcopy(gm, memo)
-    copy_regions(gm, sharded)
+    sharded = deepcopy_graph(gm, memo)
     with mode, meshes_outside():
         apply_plan(sharded, plan, meshes, model)
     return sharded
@@ -205,7 +208,7 @@ def one_rank(
     """For the length of one pass: ``gm`` as rank 0 of ``plan`` holds it (its state already fake, in
     ``mode``), on a fake process group, and the scopes of the modules whose hooks the pass calls: the
     FSDP2 units and root, and the tensor-parallel layers that are not calls of their own in the graph."""
-    with fake_world(plan.world_size, model):
+    with fake_world(plan.world_size, model), staged_copies(plan.offload):
         sharded = shard_graph(gm, plan, plan_mesh(plan), mode, model)
         hooked = (*plan.paths, *_flattened(sharded, plan.tp_layers))
         _read_arguments_past_casts(sharded, hooked)

@@ -27,7 +27,9 @@ __all__ = ["apply_plan_to", "compile_plan", "emit_source"]
 
 _TEMPLATE = '''\
 """Activation checkpointing for {model} at batch {batch}, chosen by fxmem: {saved} bytes saved for backward
-(budget {budget}; {unplanned} without checkpointing), {flops} FLOPs recomputed in backward.
+(budget {budget}; {unplanned} without checkpointing). Backward reruns the ops each block below does not keep:
+{flops} FLOPs by torch.utils.flop_counter's count, which gives elementwise ops, norms and views none, so 0
+means the blocks keep every output that costs FLOPs (matmuls, attention) and rerun only such ops.
 
 Call apply_checkpointing(model) once, before training: it wraps the forward of each block below in
 torch.utils.checkpoint.checkpoint with a selective-checkpoint policy.

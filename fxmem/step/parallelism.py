@@ -33,7 +33,9 @@ def parallel_plan(
         )
     chosen = _fsdp_units(model, units, name) if setup.fsdp else ()
     layers = tp_layers(model, setup.tp, tp_plan, name) if setup.tp > 1 else ()
-    return ParallelPlan(setup.world_size if setup.fsdp else 1, chosen, mixed=setup.fsdp_mixed, tp=setup.tp, tp_layers=layers)
+    return ParallelPlan(
+        setup.world_size if setup.fsdp else 1, chosen, mixed=setup.fsdp_mixed, tp=setup.tp, tp_layers=layers, offload=setup.offload
+    )
 
 
 def sequence_plan(model: nn.Module, tp: int, tp_plan: Mapping[str, str] | None, sp: object, name: str) -> Mapping[str, str] | None:

@@ -25,9 +25,10 @@ from torch import nn
 
 from fxmem.errors import InputSpecError
 from fxmem.results import Category, Peak, PerGpuState, Phase, ShardLine, StateBytes, Timeline
+from fxmem.rules.optimizers import OptimizerRule
 from fxmem.step.precision import get_recipe
 
-__all__ = ["STAGES", "check_plan", "engine_share", "fsdp_units", "shard_state", "units_of"]
+__all__ = ["STAGES", "check_plan", "engine_share", "fsdp_units", "offloaded_state", "shard_state", "units_of"]
 
 STAGES = ("none", "zero1", "zero2", "zero3", "fsdp")
 
@@ -176,10 +177,22 @@ def fsdp_units(model: nn.Module) -> tuple[str, ...]:
     return tuple(fqn for fqn, _ in _block_units(model) if not fqn.startswith("("))
 
 
-def engine_share(steady: Timeline, peak: Peak, batch: int, seq: int | None, world_size: int, engine: str = "FSDP2") -> PerGpuState:
+def engine_share(
+    steady: Timeline,
+    peak: Peak,
+    batch: int,
+    seq: int | None,
+    world_size: int,
+    engine: str = "FSDP2",
+    host: tuple[int, int, int] | None = None,
+) -> PerGpuState:
     """One rank's state as the simulated step of the real engine holds it (fxmem/parallel), not by
     formula: the shards it starts with, the sharded gradients the step makes, and the engine's
-    buffers at the peak."""
+    buffers at the peak. With ``host`` (``offloaded_state``'s weights, gradients and optimizer
+    state), FSDP2's CPU offload: the device holds none of the state (Note [FSDP2's CPU offload] in
+    fxmem/parallel/fsdp.py)."""
+    if host is not None:
+        return _offloaded_share(steady, peak, batch, seq, world_size, host)
     at = lambda c: steady.baseline[c].at(batch, seq) if c in steady.baseline else 0
     grads = sum(e.nbytes.at(batch, seq) for e in steady.events if e.alloc and e.category == Category.GRADIENT and e.phase == Phase.BACKWARD)
     who = f"{engine} over {world_size} ranks, simulated"
@@ -193,3 +206,41 @@ def engine_share(steady: Timeline, peak: Peak, batch: int, seq: int | None, worl
         ShardLine(at(Category.OPTIMIZER_STATE), "optimizer state of this rank's shards"),
         ShardLine(peak.breakdown.get(Category.COMMUNICATION, 0), f"{engine}'s gathered weights and collective buffers alive at the peak"),
     )
+
+
+def _offloaded_share(steady: Timeline, peak: Peak, batch: int, seq: int | None, world_size: int, host: tuple[int, int, int]) -> PerGpuState:
+    """``engine_share`` under CPU offload: the state lines say what host memory holds, the device none of it."""
+    weights, gradients, optimizer = host
+    buffers = steady.baseline[Category.BUFFER].at(batch, seq) if Category.BUFFER in steady.baseline else 0
+    where = f"FSDP2 over {world_size} ranks with CPUOffloadPolicy, simulated"
+    return PerGpuState(
+        "fsdp",
+        world_size,
+        ShardLine(0, f"in host memory: this rank's shards of the weights, {weights:,} B, copied to the device unit by unit ({where})"),
+        ShardLine(buffers, "buffers on the device, replicated on every rank (CPU offload moves only parameters)"),
+        ShardLine(0, f"in host memory: this rank's gradient shards, {gradients:,} B, each copied from the device after its reduce-scatter"),
+        ShardLine(0, "no fp32 master copy: the shards are the weights"),
+        ShardLine(0, f"in host memory: the optimizer state of this rank's shards, {optimizer:,} B (the optimizer step runs on the CPU)"),
+        ShardLine(peak.breakdown.get(Category.COMMUNICATION, 0), "FSDP2's staged shards, gathered weights and buffers at the peak"),
+    )
+
+
+def offloaded_state(model: nn.Module, world_size: int, optimizer: OptimizerRule, impl: str | None) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) in host memory of rank 0 of FSDP2 over ``world_size``
+    ranks with CPU offload: each parameter's shard of ceil(rows / world_size) rows of dim 0
+    (``torch.chunk``, as ``FSDPParam._init_sharding_spec`` cuts it; rank 0 always has the full
+    chunk), its gradient shard as large, and the optimizer's state of that shard on the CPU.
+
+    >>> from fxmem.step.state import get_optimizer
+    >>> offloaded_state(nn.Linear(3, 5), 2, get_optimizer("adamw"), "for-loop")   # 3 of 5 rows: (9 + 3) x 4 B
+    (48, 48, 104)
+    """
+    weights = gradients = optimizer_state = 0
+    for p in model.parameters():
+        shape = (-(-p.shape[0] // world_size), *p.shape[1:]) if p.dim() else ()
+        nbytes = math.prod(shape) * p.element_size()
+        weights += nbytes
+        if p.requires_grad:
+            gradients += nbytes
+            optimizer_state += optimizer.state_bytes(shape, p.element_size(), impl=impl, target="cpu")
+    return weights, gradients, optimizer_state

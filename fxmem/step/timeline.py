@@ -95,6 +95,7 @@ from fxmem.frontends.checkpointing import Region
 from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
 from fxmem.parallel import ParallelPlan, gathered_parameters, one_rank
+from fxmem.parallel.fsdp import device_timeline
 from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.linear import in_aten_rnn, in_attention
 from fxmem.rules.optimizers import OptimizerRule
@@ -586,6 +587,9 @@ class _Forward(ModuleHooks, RegionInterpreter):
     def hooks_run(self, scope: Scope, node: fx.Node) -> None:
         self.tracker.node, self.tracker.fqn = node.name, scope.path
 
+    def left(self, scope: Scope) -> None:
+        self.tracker.poll(scope.path)  # the call's arguments die with it (an FSDP2 unit's inputs, held for its forward hooks)
+
     @contextlib.contextmanager
     def recompute_context(self) -> Iterator[None]:
         """Backward recomputing a region: the forward's kernels again, and its ops charged to the nodes
@@ -596,6 +600,10 @@ class _Forward(ModuleHooks, RegionInterpreter):
                 yield
         finally:
             self.tracker.recomputing -= 1
+
+    def entered(self, scope: Scope) -> None:
+        if self.record is not None:
+            self.record.module_entered(scope.module)
 
     def region_call(self, region: Region) -> AbstractContextManager[object]:
         self.tracker.node, self.tracker.fqn = region.first.name, node_fqn(region.first)
@@ -748,7 +756,7 @@ def simulate_step(
                 tracker.adopt(b, Category.BUFFER)
         for t in tensors_of(specs, fake.inputs):
             tracker.adopt(t, Category.INPUT)
-        record = _recorder(gm, specs, fake, tracker, strict) if captured is not None and parallel is None else None
+        record = _recorder(gm, specs, fake, tracker, strict) if captured is not None else None
         values = bind_inputs(gm, specs, fake.inputs, model)
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
@@ -761,6 +769,8 @@ def simulate_step(
                 categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, target.kernels, scopes, record)
     fake.check_symbols()
     timeline = _timeline(tracker, categories, batch, fake)
+    if parallel is not None and parallel.offload:  # the device's share: Note [FSDP2's CPU offload] in fxmem/parallel/fsdp.py
+        timeline = device_timeline(timeline)
     if captured is not None and record is not None:
         captured(record)
     return timeline

@@ -61,6 +61,9 @@ class TrainingSetup:
     """``PYTORCH_CUDA_ALLOC_CONF`` as the training job sets it ("" : torch's defaults); see fxmem/gpu/alloc_conf.py."""
     memory_fraction: float | None = None
     """``torch.cuda.set_per_process_memory_fraction``'s share, where the job sets one."""
+    offload: bool = False
+    """FSDP2's ``CPUOffloadPolicy`` (``--offload``): the sharded state in host memory, Note [FSDP2's CPU
+    offload] in fxmem/parallel/fsdp.py."""
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
@@ -83,6 +86,7 @@ class TrainingSetup:
                 f"--precision {self.recipe} has no FSDP2 form; use fp32, amp, or mixed (bf16 gathered weights and compute, "
                 "fp32 shards, gradients and optimizer state), or --shard zero3 (DeepSpeed's formula)."
             )
+        _check_offload(self.offload, self.fsdp, self.tp)
         if self.target == "cuda":
             self.device  # noqa: B018 - fails early on an unknown --gpu
             self.allocator  # noqa: B018 - fails early on a malformed --alloc-conf
@@ -93,9 +97,15 @@ class TrainingSetup:
         """The setup the option objects describe, ``parallel.fsdp`` folded into the sharding (one
         rank of the real FSDP2 engine over ``fsdp`` ranks); the pipeline's stages are not part of it."""
         world_size, shard = fsdp_sharding(parallel)
+        if parallel.offload is True and parallel.pp != 1:
+            raise InputSpecError(
+                f"offload (--offload, FSDP2's CPUOffloadPolicy) inside pipeline stages (pp={parallel.pp!r}) is not modelled yet; "
+                "drop one of the two."
+            )
         return cls(
             hardware.target, hardware.gpu, training.amp, training.precision, world_size, shard, training.optimizer_impl,
             dict(hardware.overheads), hardware.torch_version, parallel.tp, hardware.alloc_conf, hardware.memory_fraction,
+            parallel.offload,
         )  # fmt: skip
 
     def unused(self, *, flags: bool = False) -> tuple[str, ...]:
@@ -169,7 +179,8 @@ class TrainingSetup:
     def _engine_words(self) -> str:
         """The engine's parallelisms with their degrees, for the header ("FSDP2 (fully_shard) 4 x tensor parallel 2")."""
         words = [("FSDP2 (fully_shard)", self.world_size, self.fsdp), ("tensor parallel", self.tp, self.tp > 1)]
-        return " x ".join(f"{name} {degree}" for name, degree, on in words if on)
+        offload = " with CPU offload" if self.offload else ""
+        return " x ".join(f"{name} {degree}" for name, degree, on in words if on) + offload
 
     @property
     def device(self) -> GpuSpec:
@@ -264,6 +275,23 @@ def fsdp_sharding(parallel: Parallelism) -> tuple[int, str]:
             f"--shard {shard}: give one or the other."
         )
     return fsdp, "fsdp"
+
+
+def _check_offload(offload: object, fsdp: bool, tp: int) -> None:
+    """``offload`` is FSDP2's CPUOffloadPolicy, which only a run of FSDP2 over more than one rank has."""
+    if not isinstance(offload, bool):
+        raise InputSpecError(f"offload (--offload) must be True or False; got {offload!r}.")
+    if offload and not fsdp:
+        raise InputSpecError(
+            "offload (--offload) is FSDP2's CPUOffloadPolicy, which keeps the sharded weights, their gradients and the "
+            "optimizer state in host memory and copies each unit's shards to the device for its all-gather; without "
+            "FSDP2 there are no shards to offload, so it needs fsdp=N (--fsdp N) with N > 1 too; pass fsdp=N, or drop offload."
+        )
+    if offload and tp > 1:
+        raise InputSpecError(
+            f"offload (--offload) with tensor parallel (tp={tp}) is not modelled yet: fxmem simulates FSDP2's CPUOffloadPolicy "
+            "over a 1-D data-parallel mesh; drop tp or offload."
+        )
 
 
 def amp_dtype(amp: str | None) -> torch.dtype | None:
