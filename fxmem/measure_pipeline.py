@@ -122,7 +122,16 @@ class PipelineRankStep:
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         with self.around[0](Phase.LOSS):
-            return self.last_loss(output, target)
+            return self.last_loss(output, target if self.target is not None else None)
+
+    def _schedule_target(self) -> torch.Tensor | None:
+        """The target handed to the schedule. A loss that makes none (``sum``) still gets one on the last
+        stage: torch's schedule indexes the target's microbatch splits whenever it has a loss function
+        (``_maybe_compute_loss``: ``target_mbs[mb_index]``), so it gets an empty tensor of one row per
+        microbatch, 0 bytes, which ``_loss`` turns back into None."""
+        if self.target is not None or not self.last:
+            return self.target
+        return torch.empty(self.plan.microbatches, 0)
 
     def _range_backward(self, stage: Any) -> None:
         original = stage.backward_one_chunk
@@ -137,7 +146,7 @@ class PipelineRankStep:
         """One training step: the schedule's microbatches, the optimizer step, ``zero_grad``."""
         self.around[0] = around
         args = self.values if self.rank == 0 else []
-        self.schedule.step(*args, target=self.target, return_outputs=False)
+        self.schedule.step(*args, target=self._schedule_target(), return_outputs=False)
         with around(Phase.OPTIMIZER):
             self.opt.step()
         with around(Phase.ZERO_GRAD):
