@@ -154,13 +154,12 @@ class ModuleHooks(fx.Interpreter):
     scopes: ModuleScopes | None = None
 
     def run_node(self, n: fx.Node) -> Any:
-        if self.scopes is None:
-            return super().run_node(n)
-        if n in self._hooked():  # its hooks ran inside a checkpointed region's forward
+        scopes = self.scopes
+        if scopes is None or n in self._hooked():  # none, or they ran inside a checkpointed region's forward
             self._hooked().discard(n)
             return super().run_node(n)
-        self._open_at(n)
-        out = self._close_at(n, super().run_node(n))
+        self._open_at(scopes, n)
+        out = self._close_at(scopes, n, super().run_node(n))
         self._hooked().discard(n)  # a region's first node, run inside its region too
         return out
 
@@ -169,13 +168,14 @@ class ModuleHooks(fx.Interpreter):
         modules that open or close there run around it (Note [Module hooks inside a checkpoint]), and
         the main loop skips them for that node. In backward's recomputation no hook runs (checkpoint
         reruns ``forward``, not ``__call__``), and the parameters are read as the hooks left them then."""
-        if self.scopes is None:
+        scopes = self.scopes
+        if scopes is None:
             return run(n)
-        if not getattr(self, "_forward", True):  # recomputed in backward: no hooks, the parameters as they are now
+        if not getattr(self, "_forward", True):  # recomputed in backward (RegionInterpreter's flag)
             self._refresh(n)
             return run(n)
-        self._open_at(n)
-        out = self._close_at(n, run(n))
+        self._open_at(scopes, n)
+        out = self._close_at(scopes, n, run(n))
         self._hooked().add(n)
         return out
 
@@ -185,9 +185,9 @@ class ModuleHooks(fx.Interpreter):
             self._hooked_nodes: set[fx.Node] = set()
         return self._hooked_nodes
 
-    def _open_at(self, n: fx.Node) -> None:
-        for scope in self.scopes.opening.get(n, ()) if self.scopes is not None else ():
-            if scope.path not in self._calls():
+    def _open_at(self, scopes: ModuleScopes, n: fx.Node) -> None:
+        for scope in scopes.opening.get(n, ()):
+            if scope.path not in self._calls():  # opened already, at its region's first node
                 self._enter(scope)
         self._refresh(n)
 
@@ -196,9 +196,9 @@ class ModuleHooks(fx.Interpreter):
             if i.op == "get_attr":
                 self.env[i] = self.fetch_attr(str(i.target))
 
-    def _close_at(self, n: fx.Node, out: Any) -> Any:
-        for scope in self.scopes.closing.get(n, ()) if self.scopes is not None else ():
-            if scope.path in self._calls():
+    def _close_at(self, scopes: ModuleScopes, n: fx.Node, out: Any) -> Any:
+        for scope in scopes.closing.get(n, ()):
+            if scope.path in self._calls():  # closed once, where the node ran
                 out = self._leave(scope, n, out)
                 self.left(scope)
         return out

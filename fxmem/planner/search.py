@@ -391,16 +391,14 @@ class _Search:
     def _fits_unchecked(self, config: Config) -> bool:
         """Whether another configuration of ``config``'s layout already fits without checkpointing, the
         lever that costs the most time per step (Note [What each configuration costs])."""
-        layout = lambda c: (c.fsdp, c.tp, c.data_parallel, c.offload, c.optimizer)
-        return any(c.config.checkpoint is None and not c.recipe and layout(c.config) == layout(config) for c in self.fitting)
+        return any(c.config.checkpoint is None and not c.recipe and _layout(c.config) == _layout(config) for c in self.fitting)
 
     def _outpaced_in_bf16(self, config: Config) -> bool:
         """Whether ``config`` is fp32 on a GPU and the same layout already fits in bf16 (autocast or
         FSDP2's MixedPrecisionPolicy): its matmuls would run at the fp32 rate, several times slower."""
         if self.device.target != "cuda" or config.precision != "fp32":
             return False
-        layout = lambda c: (c.fsdp, c.tp, c.data_parallel, c.offload, c.optimizer)
-        return any(c.config.precision != "fp32" and layout(c.config) == layout(config) and not c.recipe for c in self.fitting)
+        return any(c.config.precision != "fp32" and _layout(c.config) == _layout(config) and not c.recipe for c in self.fitting)
 
     def _state_floor(self, config: Config) -> int:
         """A lower bound of one GPU's model state under ``config``: every floating parameter's weight,
@@ -448,10 +446,30 @@ class _Search:
         )  # fmt: skip
 
     def _with_checkpointing(self, report: Report, config: Config) -> tuple[Candidate | None, Candidate | None]:
-        """``_with_checkpointing`` for this search's model and budget."""
-        return _with_checkpointing(
-            self.model, self.inputs, report, config, self.budget, self.loss, self.name, self.seq_len, self.global_batch, self.cap
-        )
+        """The same configuration with activation checkpointing chosen (fxmem/planner/checkpoint.py) so that
+        micro-batch 1 fits. The saved activations' budget starts as what the step's total exceeds the
+        budget by, taken off its saved activations; the checkpointed model is simulated again (its whole
+        step, recomputation included), and where its total still exceeds the budget (the peak moved to
+        where recomputation runs) the saved budget shrinks by that much, a few times at most."""
+        blocks = list(fsdp_units(self.model))  # each repeated block (else each top-level child), as FSDP2's units
+        if not blocks or config.tp > 1:  # tensor parallel splits what each op saves: the chooser sees whole ops
+            return None, None
+        room, floor = report.activation_bytes(1) - (report.step_bytes(1) - self.budget), None
+        for _ in range(_ATTEMPTS):
+            if room <= 0:
+                break
+            try:
+                chosen = plan_checkpointing(
+                    self.model, self.inputs, blocks, budget=room, batch=1, loss=self.loss, name=self.name, seq_len=self.seq_len
+                )
+            except InputSpecError:  # below what checkpointing every block keeps
+                break
+            again = self._analyze(compile_plan(chosen)(copy.deepcopy(self.model)), config)
+            best, floor = _fit(again, replace(config, checkpoint=chosen), self.budget, self.global_batch, self.cap)
+            if best is not None:
+                return best, floor
+            room = chosen.saved_at_batch - (again.step_bytes(1) - self.budget)
+        return None, floor
 
     def _recipe(self, label: str, make: Callable[[], Config]) -> None:
         """A published setup at its own micro-batch (Note [The standard recipes]): in the ranking where it fits."""
@@ -481,7 +499,7 @@ class _Search:
     def recipes(self, gpus: int, optimizer: str) -> list[tuple[str, Callable[[], Config]]]:
         """The published setups that apply (Note [The standard recipes]), each made when it is evaluated."""
         blocks = fsdp_units(self.model)
-        if self.device.target != "cuda" or gpus < 2 or "shard" not in self.levers or not blocks or not self.model_has_mm_blocks(blocks):
+        if self.device.target != "cuda" or gpus < 2 or "shard" not in self.levers or not blocks or not _has_linears(self.model, blocks):
             return []
 
         def torchtitan() -> Config:
@@ -493,10 +511,6 @@ class _Search:
             return Config("mixed", None, optimizer, "fused", gpus, blocks, data_parallel=gpus, checkpoint=sac)
 
         return [(TORCHTITAN, torchtitan)]
-
-    def model_has_mm_blocks(self, blocks: tuple[str, ...]) -> bool:
-        """Whether the repeated blocks hold linear layers, which the per-op recipe is about."""
-        return any(isinstance(m, nn.Linear) for b in blocks for m in self.model.get_submodule(b).modules())
 
     def unlock(self, gpus: int, optimizer: str) -> tuple[Unlock, ...]:
         """Where nothing fits: for each lever not allowed, cheapest first (``_UNLOCK_ORDER``), the
@@ -665,63 +679,18 @@ def _candidate(report: Report, config: Config, micro: int, accumulation: int) ->
     )
 
 
-def _with_checkpointing(
-    model: nn.Module,
-    inputs: InputSpecs,
-    report: Report,
-    config: Config,
-    budget: int,
-    loss: str,
-    name: str,
-    seq_len: int | None,
-    global_batch: int | None,
-    cap: int,
-) -> tuple[Candidate | None, Candidate | None]:
-    """The same configuration with activation checkpointing chosen (fxmem/planner/checkpoint.py) so that
-    micro-batch 1 fits. The saved activations' budget starts as what the step's total exceeds the
-    budget by, taken off its saved activations; the checkpointed model is simulated again (its whole
-    step, recomputation included), and where its total still exceeds the budget (the peak moved to
-    where recomputation runs) the saved budget shrinks by that much, a few times at most."""
-    blocks = list(fsdp_units(model))  # each repeated block (else each top-level child), as FSDP2's units
-    if not blocks or config.tp > 1:  # tensor parallel splits what each op saves: the chooser sees whole ops
-        return None, None
-    room, floor = report.activation_bytes(1) - (report.step_bytes(1) - budget), None
-    for _ in range(_ATTEMPTS):
-        if room <= 0:
-            break
-        try:
-            chosen = plan_checkpointing(model, inputs, blocks, budget=room, batch=1, loss=loss, name=name, seq_len=seq_len)
-        except InputSpecError:  # below what checkpointing every block keeps
-            break
-        again = _analyze_like(compile_plan(chosen)(copy.deepcopy(model)), inputs, report, config, loss, name, seq_len)
-        best, floor = _fit(again, replace(config, checkpoint=chosen), budget, global_batch, cap)
-        if best is not None:
-            return best, floor
-        room = chosen.saved_at_batch - (again.step_bytes(1) - budget)
-    return None, floor
-
-
 _ATTEMPTS = 4
 """How many times the saved budget is shrunk before checkpointing is given up for a configuration."""
 
 
-def _analyze_like(
-    model: nn.Module, inputs: InputSpecs, report: Report, config: Config, loss: str, name: str, seq_len: int | None
-) -> Report:
-    """``model`` simulated in ``report``'s setup with ``config``'s levers."""
-    from fxmem.api import analyze
+def _layout(config: Config) -> tuple[object, ...]:
+    """What two configurations must share to be compared lever by lever: sharding, offload, optimizer."""
+    return (config.fsdp, config.tp, config.data_parallel, config.offload, config.optimizer)
 
-    setup = report.setup
-    hardware = (
-        Hardware(setup.target, setup.gpu, None, setup.torch_version, setup.overheads, setup.alloc_conf, setup.memory_fraction)
-        if setup
-        else Hardware()
-    )
-    return analyze(
-        model, inputs, loss=loss, optimizer=config.optimizer, batch=1, hardware=hardware,
-        amp=config.amp, precision=config.precision, optimizer_impl=config.optimizer_impl,
-        name=name, seq_len=seq_len, fsdp=config.fsdp, fsdp_units=config.units if config.fsdp > 1 else None,
-    )  # fmt: skip
+
+def _has_linears(model: nn.Module, blocks: tuple[str, ...]) -> bool:
+    """Whether the repeated blocks hold linear layers, which a per-op recipe is about."""
+    return any(isinstance(m, nn.Linear) for b in blocks for m in model.get_submodule(b).modules())
 
 
 @dataclass(frozen=True)
