@@ -2,6 +2,7 @@
 past failures, then shrink one example of each distinct failure to a minimal model.
 
     python benchmarks/fuzz.py --examples 2000 [--seed 0] [--no-shrink]
+    python benchmarks/fuzz.py --compile --examples 150 --no-shrink   # saved bytes under torch.compile
 
 Prints the examples tried, the failures (mismatches between fxmem.analyze and fxmem.measure, and
 crashes), the time taken, and for each distinct failure the smallest model hypothesis found that
@@ -24,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
-from fuzz_grammar import FEATURES, FuzzCase, GrammarError, Mismatch, check_case, check_peak, fuzz_cases, peak_checkable
+from fuzz_grammar import FEATURES, FuzzCase, GrammarError, Mismatch, check_case, check_compiled, check_peak, fuzz_cases, peak_checkable
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.errors import HypothesisException
@@ -73,6 +74,17 @@ def _bytes_and_peak(case: FuzzCase) -> None:
     if peak_checkable(case):
         with contextlib.suppress(GrammarError):  # no parameter reaches the loss: no step to hold the peak to
             check_peak(case)
+
+
+def _compiled(case: FuzzCase) -> None:
+    """Saved bytes under torch.compile exact against a real compiled run; other dtypes and devices skipped."""
+    with contextlib.suppress(GrammarError):
+        check_compiled(case)
+        COMPILED["checked"] += 1
+
+
+COMPILED = {"checked": 0}
+"""How many examples the compiled check held (the rest were skipped or failed)."""
 
 
 def explore(examples: int, seed_value: int) -> tuple[int, list[Failure]]:
@@ -137,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-shrink", action="store_true", help="report failures as found, without shrinking")
     parser.add_argument("--verbose", action="store_true", help="print each failure's model and message as it is found")
     parser.add_argument("--peak", action="store_true", help="also check the step's peak against measure_peak (float32 CPU models; within 1%%)")
+    parser.add_argument("--compile", action="store_true", help="instead hold the saved bytes under torch.compile to a real compiled CPU run (float32 models; others are skipped)")
     args = parser.parse_args(argv)
     if args.peak:
         CHECK["check"] = _bytes_and_peak
+    if args.compile:
+        CHECK["check"] = _compiled
     VERBOSE["on"] = args.verbose
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -150,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     by_signature = Counter(f.signature for f in failures)
     print(f"\nexamples tried: {tried}")
     print(f"failures:       {len(failures)} ({len(by_signature)} distinct)")
+    if args.compile:
+        print(f"compiled:       {COMPILED['checked']} models held to a real compiled run, exact")
     print(f"time:           {elapsed:.1f} s ({elapsed / max(tried, 1) * 1000:.0f} ms per example)")
     for sig, count in by_signature.most_common():
         first = next(f for f in failures if f.signature == sig)

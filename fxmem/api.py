@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 from dataclasses import replace
 
 import torch
@@ -43,6 +44,7 @@ from fxmem.step.pipeline import (
 from fxmem.step.repeats import CAPTURED, NotRepeating, ShallowCaptures, ShallowSteps, names_for
 from fxmem.step.sharding import engine_share, offloaded_state, shard_state, units_of
 from fxmem.step.state import HeldState, get_optimizer, held_state, state_bytes
+from fxmem.step.compiled import compiled_step
 from fxmem.step.timeline import simulate_step
 from fxmem.step.parallelism import check_tp_optimizer, parallel_plan, sequence_plan
 from fxmem.step.training import TrainingSetup
@@ -73,6 +75,8 @@ def analyze(
     precision: str | None = None,
     amp: str | None = None,
     param_dtype: torch.dtype | None = None,
+    compile: bool | None = None,
+    activation_memory_budget: float | None = None,
     target: str | None = None,
     gpu: str | None = None,
     device_memory: int | None = None,
@@ -143,7 +147,8 @@ def analyze(
     _check_model_args(model, leaf_types)
     training = merge(
         training, Training,
-        {"loss": loss, "optimizer": optimizer, "optimizer_impl": optimizer_impl, "precision": precision, "amp": amp, "param_dtype": param_dtype},
+        {"loss": loss, "optimizer": optimizer, "optimizer_impl": optimizer_impl, "precision": precision, "amp": amp, "param_dtype": param_dtype,
+         "compile": compile, "activation_memory_budget": activation_memory_budget},
     )  # fmt: skip
     hardware = merge(
         hardware, Hardware,
@@ -204,6 +209,11 @@ def _analyze(
     bn_threshold = _check_threshold(bn_threshold)
     if warn:
         _warn_unused(setup, specs, seq_len, _pipeline_options(parallel, flags), flags)
+        if training.activation_memory_budget != 1.0 and not training.compile:
+            warn_at_caller(
+                f"{spell('activation_memory_budget', training.activation_memory_budget, flags=flags)} has no effect without "
+                f"{spell('compile', True, flags=flags)}: it is the compiled step's partitioner budget; add it, or drop the budget."
+            )
     seq = _seq_len(specs, seq_len)
     say = progress or _silent
     model.train()
@@ -214,7 +224,7 @@ def _analyze(
     layers = sequence_plan(model, parallel.tp, parallel.tp_plan, parallel.sp, name)
     plan = parallel_plan(model, setup, parallel.fsdp_units, layers, peak, name)
     impl = setup.optimizer_impl or default_impl(opt, setup.target)
-    simulate = _step_simulator(specs, loss_fn, opt, name, seq, setup, impl, plan, strict)
+    simulate = _step_simulator(specs, loss_fn, opt, name, seq, setup, impl, plan, strict, training.activation_memory_budget)
     # Note [One pass for the capture and the step]; under a parallel plan only where the step is made from
     # the shallow copies: one rank's symbolic step of a whole deep model (a checkpointed one) costs more
     # than the capture pass it would replace, and a report asked only at its own batch never needs it.
@@ -234,11 +244,38 @@ def _analyze(
         if plan is not None:
             host = offloaded_state(model, plan.world_size, opt, impl) if plan.offload else None  # Note [FSDP2's CPU offload]
             per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size, setup.engine_name, host)
+    compiled = None
+    if training.compile:
+        _check_compilable(gm, plan, peak, name, training.activation_memory_budget)
+        held = _held_state(model, opt, param_dtype, setup, impl, per_gpu)
+        simulator = lambda graph: lambda b, made: simulate(graph, b, None, made)
+        copies = (shallow[1][3], shallow[1][4], shallow[0].depth) if shallow is not None and held.unchanged else None
+        overhead = (lambda b: int(steps.device_bytes(b) - steps.bytes(b))) if device is not None and steps is not None else None
+        compiled = compiled_step(simulator, batch, seq, device, held, say, copies=copies, overhead=overhead, whole=gm)
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
         bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold, checkpointed=len(checkpoint_regions(gm)),
-        fsdp_units=plan.units if plan is not None else (), graph=gm,
+        fsdp_units=plan.units if plan is not None else (), graph=gm, compiled=compiled,
     )  # fmt: skip
+
+
+def _check_compilable(gm: fx.GraphModule, plan: ParallelPlan | None, peak: bool, name: str, budget: float = 1.0) -> None:
+    """What a compiled step's simulation does not cover yet, said before any compile starts."""
+    if not 0.0 <= budget <= 1.0:
+        raise InputSpecError(f"model '{name}': activation_memory_budget {budget} is a share of the activations: give a number from 0 to 1 (1.0 is torch's default).")
+    if not peak:
+        raise InputSpecError(f"model '{name}': --compile simulates the compiled training step, which --no-peak (peak=False) skips; drop one.")
+    if plan is not None:
+        raise InputSpecError(
+            f"model '{name}': --compile is simulated on one GPU without FSDP2 or tensor parallel so far; "
+            "drop --fsdp/--tp to see what torch.compile keeps on one device."
+        )
+    if checkpoint_regions(gm):
+        raise InputSpecError(
+            f"model '{name}': --compile with activation checkpointing in the model is not simulated yet (AOTAutograd "
+            "turns checkpointed regions into recompute tags for its partitioner); analyze the compiled step without "
+            "checkpointing, or the checkpointed step without --compile."
+        )
 
 
 def _pipelined(
@@ -380,11 +417,18 @@ def _step_simulator(
     impl: str,
     plan: ParallelPlan | None,
     strict: bool,
+    budget: float = 1.0,
 ) -> Simulate:
-    """Simulates the step of a graph (the model, or its copy cut to fewer blocks) at a batch."""
+    """Simulates the step of a graph (the model, or its copy cut to fewer blocks) at a batch; with
+    ``compiled``, the step under torch.compile, its partitioner held to ``budget`` (fxmem/step/compiled.py)."""
     target = setup.step_target(impl)
 
-    def simulate(graph: fx.GraphModule, b: int | None, captured: Callable[[StepCapture], None] | None) -> Timeline:
+    def simulate(
+        graph: fx.GraphModule,
+        b: int | None,
+        captured: Callable[[StepCapture], None] | None,
+        compiled: Callable[[Any, int], None] | None = None,
+    ) -> Timeline:
         with _train_mode(graph):
             return simulate_step(
                 graph,
@@ -398,6 +442,8 @@ def _step_simulator(
                 parallel=plan.within(graph) if plan is not None else None,
                 strict=strict,
                 captured=captured,
+                compiled=compiled,
+                budget=budget,
             )
 
     return simulate

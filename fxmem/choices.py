@@ -67,9 +67,9 @@ FORMATS = ("table", "markdown", "csv", "json")
 """fxmem.output.render.FORMATS."""
 MAX_ROWS = 25
 """fxmem.output.render.MAX_ROWS."""
-LEVERS = ("batch", "precision", "optimizer-impl", "checkpoint", "shard", "offload", "optimizer")
+LEVERS = ("batch", "precision", "optimizer-impl", "checkpoint", "shard", "offload", "optimizer", "compile")
 """fxmem.planner.search.LEVERS."""
-DEFAULT_LEVERS = LEVERS[:-2]
+DEFAULT_LEVERS = LEVERS[:-3]
 """fxmem.planner.search.DEFAULT_LEVERS."""
 BN_THRESHOLD = 16
 """fxmem.cost.tradeoff.BN_THRESHOLD."""

@@ -341,6 +341,8 @@ def _analyze_parser(sub: Any) -> None:
     v.add_argument("--plot", metavar="FILE.png", help="also draw memory against batch size and the top layers (needs matplotlib: pip install 'fxmem[plot]')")
     v.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained web page (module tree, the step's memory over time, the batch trade-off); open it in any browser")
     g.training.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    g.training.add_argument("--compile", action="store_true", help="also predict the step with torch.compile(model) (default mode): Inductor itself compiles the model on fake tensors at each batch asked, and the report shows what the compiled step saves, its peak and the largest batch beside eager's")
+    g.training.add_argument("--activation-memory-budget", type=float, default=1.0, metavar="F", help="with --compile: torch._functorch.config.activation_memory_budget, the share of activations the partitioner may save (default 1.0: its min-cut; lower recomputes more in backward)")
     g.training.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
     g.advanced.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
     g.advanced.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
@@ -357,6 +359,8 @@ def _measure_parser(sub: Any) -> None:
     g.verdict.add_argument("--peak", action="store_true", help="measure the peak of a whole real training step instead of the saved activations: with torch.profiler on the CPU, or torch.cuda.max_memory_allocated where CUDA is present")
     g.training.add_argument("--optimizer", default="adamw", help="with --peak: the optimizer of the step (default adamw)")
     g.training.add_argument("--first-step", action="store_true", help="with --peak: measure the first step, which creates the optimizer state (default: a steady step)")
+    g.training.add_argument("--compile", action="store_true", help="run the model as torch.compile(model) (default mode, Inductor's C++ backend on the CPU; compiled before the measurement) and compare with the compiled step's prediction")
+    g.training.add_argument("--activation-memory-budget", type=float, default=1.0, metavar="F", help="with --compile: the partitioner's activation_memory_budget, as torch._functorch.config sets it (default 1.0)")
     _setup_options(g, target=None)
 
 
@@ -384,7 +388,7 @@ def _plan_parser(sub: Any) -> None:
     v.add_argument("--memory", metavar="SIZE", help="memory per GPU to fit in, e.g. 40GiB (default: the GPU's)")
     v.add_argument("--global-batch", type=_positive_int, metavar="G", help="samples per optimizer step, reached by micro-batch x accumulation x data-parallel GPUs (default: the largest micro-batch that fits)")
     s = g.training
-    s.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but offload, which moves FSDP2's state to host memory, and optimizer, which changes the training; where nothing fits, the plan says which of them would)")
+    s.add_argument("--allow", default=",".join(DEFAULT_LEVERS), metavar="LEVERS", help=f"comma-separated levers the planner may pull, from {', '.join(LEVERS)} (default all but offload, which moves FSDP2's state to host memory, optimizer, which changes the training, and compile, torch.compile on one GPU at partitioner budgets 1.0 and 0.5, which compiles each configuration; where nothing fits, the plan says which of them would)")
     s.add_argument("--format", choices=("table", "json"), default="table", help="table (default), or json: the plan as one JSON object on stdout (progress and notes go to stderr)")
     s.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     s.add_argument("--emit", metavar="FILE.py", help="write a runnable file that applies the best configuration (optimizer, autocast, accumulation, checkpointing)")
@@ -545,7 +549,8 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
-        seq_len=_analysis_seq_len(args, spec), strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold, **_setup(args),
+        seq_len=_analysis_seq_len(args, spec), strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold,
+        compile=args.compile, activation_memory_budget=args.activation_memory_budget, **_setup(args),
     )  # fmt: skip
     if args.check and report.device_memory is None:
         raise InputSpecError("--check needs a device to fit in: with --target cpu give --device-memory (e.g. 24GiB).")
@@ -614,6 +619,8 @@ def _write_page(path: str, page: str) -> None:
 
 def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     _check_measurable(args)
+    if args.compile:
+        return _measure_compiled(args, say)
     if args.peak:
         return _measure_peak(args, say)
     spec = _load(args, say)
@@ -628,6 +635,31 @@ def _measure(args: argparse.Namespace, say: Callable[[str], None]) -> str:
         seq_len=report.seq_len,
     )
     return _comparison(report, measured.nodes, measured.total, args.batch)
+
+
+def _measure_compiled(args: argparse.Namespace, say: Callable[[str], None]) -> str:
+    """``measure --compile [--peak]``: the compiled step's saved bytes (or peak) measured beside its prediction."""
+    if args.target != "cpu" or args.fsdp != 1 or args.tp != 1 or args.pp != 1 or args.amp is not None:
+        raise InputSpecError("measure --compile runs the compiled step on the CPU, on one device, in the model's own dtypes: use --target cpu, without --fsdp, --tp, --pp or --amp.")
+    opt = get_optimizer(args.optimizer).name
+    spec, report = _step_report(args, say, opt)
+    compiled = report.compiled
+    model = materialize(spec.model)
+    say(f"compiling the model with torch.compile and running it for real on the CPU at B={args.batch}")
+    if args.peak:
+        measured = measure_peak(
+            model, spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step, seq_len=report.seq_len,
+            optimizer_impl=args.optimizer_impl, compile=True, activation_memory_budget=args.activation_memory_budget,
+        )  # fmt: skip
+        return "torch.compile(model), default mode\n\n" + _peak_comparison(compiled.steps.peak(args.batch, first_step=args.first_step), measured)
+    total = measure(model, spec.inputs, args.batch, loss=spec.loss, seq_len=report.seq_len, compile=True, activation_memory_budget=args.activation_memory_budget).total
+    rows = [[v.name, "x".join(map(str, v.shape)), v.dtype, format_bytes(v.nbytes)] for v in compiled.values if not v.held]
+    table = tabulate(rows, headers=["Saved by the compiled forward", "Shape", "Dtype", "Bytes"], disable_numparse=True)
+    verdict = "exact" if compiled.saved == total else f"differs by {compiled.saved - total:+d} B"
+    return (
+        f"{table}\n\nSaved for backward at B={args.batch} under torch.compile (the compiled forward's and the eager loss's): "
+        f"measured {total} B, predicted {compiled.saved} B: {verdict}.\n"
+    )
 
 
 def _comparison(report: Report, nodes: dict[str, int], total: int, batch: int) -> str:
@@ -649,7 +681,7 @@ def _step_report(args: argparse.Namespace, say: Callable[[str], None], optimizer
     report = analyze(
         spec.model, spec.inputs, loss=spec.loss, optimizer=optimizer, batch=args.batch, name=args.spec,
         leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend, seq_len=_analysis_seq_len(args, spec), progress=say,
-        **_setup(args),
+        compile=getattr(args, "compile", False), activation_memory_budget=getattr(args, "activation_memory_budget", 1.0), **_setup(args),
     )  # fmt: skip
     return spec, report
 

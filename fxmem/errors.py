@@ -24,7 +24,14 @@ __all__ = [
     "LoadError",
     "NonLinearBatchError",
     "TraceError",
+    "first_line",
 ]
+
+
+def first_line(e: BaseException, width: int = 300) -> str:
+    """An exception's cause in one line, as a message quotes it: its first line (torch's messages go on
+    with tracebacks and hints), or its type where it says nothing."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:width]
 
 
 class FxmemWarning(UserWarning):

@@ -81,18 +81,29 @@ def measure(
     leaf_types: tuple[type, ...] = (),
     frontend: str = "auto",
     seq_len: int | None = None,
+    compile: bool = False,
+    activation_memory_budget: float = 1.0,
 ) -> Measurement:
     """Run the model for real on the CPU at ``batch`` and measure the activation bytes saved for backward.
 
     ``leaf_types`` and ``frontend`` must be the ones given to ``analyze`` so that the per-node split uses
     the same graph. ``training`` (or the plain keyword ``loss``) gives the loss, as to ``analyze``; its
     other fields shape the step's state, not what the forward saves in fp32, and must keep their defaults.
+    ``compile`` runs ``torch.compile(model)`` (default mode, Inductor's C++ backend) instead, compiled
+    by one forward and backward beforehand; its saved bytes have no per-node split (Inductor's kernels
+    are not the graph's nodes), so ``nodes`` holds the total under "(compiled)"; ``activation_memory_budget``
+    is the partitioner's, as ``torch._functorch.config`` sets it.
     """
     check_batch(batch)
     loss = _measured(merge(training, Training, {"loss": loss}), "measure", ("loss",)).loss
     specs, loss_fn = parse_inputs(inputs), get_loss(loss)
     torch.manual_seed(seed)
     real = materialize(model).train()
+    if compile:
+        with _real_run(model, batch, "compiled CPU", real=real):
+            runner = _compiled_for_real(real, specs, loss_fn, batch, seq_len, budget=activation_memory_budget)
+            total = _eager_total(runner, specs, loss_fn, batch, seq_len, state=real)
+        return Measurement(batch, total, {"(compiled)": total})
     with _real_run(model, batch, real=real):
         total = _eager_total(real, specs, loss_fn, batch, seq_len)
     traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
@@ -160,12 +171,37 @@ def _retie(model: nn.Module, slots: dict[int, list[tuple[nn.Module, str]]]) -> N
             module._parameters[name] = first_module._parameters[first_name]
 
 
-def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int, seq: int | None = None) -> int:
-    """Saved activation bytes of ``model(...)`` plus the loss, without fx: the independent total."""
+def _compiled_for_real(
+    model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int, seq: int | None, device: str = "cpu", budget: float = 1.0
+) -> nn.Module:
+    """``torch.compile(model)``, compiled by one forward and backward at ``batch`` (torch's default
+    mode compiles for the first call's shapes), its gradients dropped again; the partitioner held to
+    ``budget`` (``activation_memory_budget``). Dynamo's caches are reset first: an earlier model's
+    compiled code must not serve this one."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    tensors = [_to(make_input(s, batch, seq), device) for s in specs]
+    args = [t for s, t in zip(specs, tensors) if s.name is None]
+    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    with _quiet_stderr(), torch._functorch.config.patch(activation_memory_budget=budget):
+        output = loss.select(compiled(*args, **kwargs), type(model).__name__)
+        value = loss.compute(output, loss.make_target(output))
+        if value.requires_grad:
+            value.backward()
+    model.zero_grad(set_to_none=True)
+    return compiled
+
+
+def _eager_total(
+    model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch: int, seq: int | None = None, *, state: nn.Module | None = None
+) -> int:
+    """Saved activation bytes of ``model(...)`` plus the loss, without fx: the independent total.
+    ``state``: the module whose parameters and buffers are left out, where ``model`` wraps it."""
     tensors = [make_input(s, batch, seq) for s in specs]
     args = [t for s, t in zip(specs, tensors) if s.name is None]
     kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
-    excluded = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers(), *tensors_of(specs, tensors)]}
+    held = state if state is not None else model
+    excluded = {StorageWeakRef(t.untyped_storage()) for t in [*held.parameters(), *held.buffers(), *tensors_of(specs, tensors)]}
     seen: dict[StorageWeakRef, int] = {}
     alive: list[torch.Tensor] = []
 
@@ -176,7 +212,7 @@ def _eager_total(model: nn.Module, specs: Sequence[InputSpec], loss: Loss, batch
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), selective_caches() as caches:
         out = model(*args, **kwargs)
-        output = loss.select(out, type(model).__name__)
+        output = loss.select(out, type(held).__name__)
         target = loss.make_target(output)
         if target is not None:
             excluded.add(StorageWeakRef(target.untyped_storage()))
@@ -223,6 +259,8 @@ def measure_peak(
     device: str = "cpu",
     amp: str | None = None,
     optimizer_impl: str | None = None,
+    compile: bool = False,
+    activation_memory_budget: float = 1.0,
 ) -> PeakMeasurement:
     """Run one real training step at ``batch`` and measure its peak.
 
@@ -236,6 +274,9 @@ def measure_peak(
     implementation ("foreach", "fused", "for-loop"; None: torch's default). ``training`` gives these
     as ``analyze`` takes them (``Training(loss=..., optimizer=..., amp=..., optimizer_impl=...)``);
     a real run has no ``precision`` recipe or ``param_dtype`` to apply, so those keep their defaults.
+    ``compile`` runs the step with ``torch.compile(model)`` (default mode), compiled beforehand at
+    ``batch`` outside the measurement (``activation_memory_budget`` as for ``measure``); the loss and
+    the optimizer stay eager, as users write them.
     """
     check_batch(batch)
     keywords = {"loss": loss, "optimizer": optimizer, "amp": amp, "optimizer_impl": optimizer_impl}
@@ -256,10 +297,14 @@ def measure_peak(
     ):  # the target's shape comes from the output; the data loader made it beforehand
         warnings.filterwarnings("ignore", "None of the inputs have requires_grad")  # a reentrant checkpoint's, true of any no_grad forward
         target = loss_fn.make_target(loss_fn.select(real(*args, **kwargs), name))
+    runner: nn.Module = real
+    if compile:
+        with _real_run(model, batch, "compiled CPU", real=real):
+            runner = _compiled_for_real(real, specs, loss_fn, batch, seq_len, device, activation_memory_budget)
     with _real_run(model, batch, real=real):
         opt = _optimizer(real, rule, optimizer_impl)
         if not first_step:  # one real step beforehand: state for exactly the parameters that get gradients
-            _real_step(real, args, kwargs, loss_fn, target, opt, name, lambda _: contextlib.nullcontext(), autocast)
+            _real_step(runner, args, kwargs, loss_fn, target, opt, name, lambda _: contextlib.nullcontext(), autocast)
     device_ = torch.device(device)
     on_device = lambda t: t.device.type == device_.type
     held = [*real.parameters(), *real.buffers(), *tensors_of(specs, tensors), *([target] if target is not None else [])]
@@ -267,12 +312,12 @@ def measure_peak(
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
     if torch.device(device).type == "cuda":
         with _real_run(model, batch, "CUDA", real=real):
-            peaks = _cuda_peaks(lambda around: _real_step(real, args, kwargs, loss_fn, target, opt, name, around, autocast))
+            peaks = _cuda_peaks(lambda around: _real_step(runner, args, kwargs, loss_fn, target, opt, name, around, autocast))
         phase = max(peaks, key=lambda p: peaks[p][0])
         allocated = {p: top for p, (top, _) in peaks.items()}
         return PeakMeasurement(batch, first_step, allocated[phase], phase, baseline, {}, max(r for _, r in peaks.values()), allocated)
     with _real_run(model, batch, real=real), _quiet_stderr(), _profiled() as prof:
-        _real_step(real, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
+        _real_step(runner, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
     top, at, phase, tops = _highest(prof)
     phases = {p: baseline + t for p, t in tops.items()}
     return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at), None, phases)

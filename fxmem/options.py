@@ -61,6 +61,11 @@ class Training:
     param_dtype: torch.dtype | None = None
     """The dtype the weights are counted in (e.g. ``torch.bfloat16`` for a model cast with ``.to``);
     None: the model's own."""
+    compile: bool = False
+    """Also predict the step with ``torch.compile(model)`` (default mode): ``Report.compiled``, shown beside the eager step."""
+    activation_memory_budget: float = 1.0
+    """With ``compile``: ``torch._functorch.config.activation_memory_budget``, the share of the
+    activations the partitioner may save (1.0, torch's default: its min-cut; lower recomputes more in backward)."""
 
 
 @dataclass(frozen=True)

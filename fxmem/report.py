@@ -72,6 +72,8 @@ class Report:
     """With ``--pp``: every rank of the pipeline (a ``fxmem.parallel.pipeline_report.PipelineRun``); ``steps`` is then the highest rank's."""
     graph: Any = field(default=None, compare=False, repr=False)
     """The traced graph module the analysis ran (a pipeline splits its stages from it rather than trace again)."""
+    compiled: Any = field(default=None, compare=False, repr=False)
+    """With ``Training(compile=True)``: the step under ``torch.compile(model)`` (a ``fxmem.step.compiled.CompiledStep``)."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
     _verdicts: dict[tuple[int, int], Verdict] = field(default_factory=dict, compare=False, repr=False)
 
@@ -280,7 +282,8 @@ class Report:
         ``floor``), the answer (``device_memory``, ``fits``, ``max_batch``, ``max_batch_basis``,
         ``verdict``), cost (``flops``, ``roofline``, ``tradeoff``), and the caveats (``batch_one_special``,
         ``batch_one_error``, ``batchnorm``, ``unsupported``, ``checkpointed_regions``, ``linear_in_batch``,
-        ``pipeline``). A key that does not apply holds None (``fits`` without ``device_memory``, ``peak``
+        ``pipeline``), and with ``Training(compile=True)`` the step under torch.compile (``compiled``: its
+        saved bytes and their line, each saved value, its peak and largest batch). A key that does not apply holds None (``fits`` without ``device_memory``, ``peak``
         with ``peak=False``) rather than being left out. fxmem/output/render.py ``to_dict`` builds it.
         """
         return to_dict(self)

@@ -1392,6 +1392,33 @@ def check_case(case: FuzzCase) -> None:
                 )
 
 
+def compile_checkable(case: FuzzCase) -> bool:
+    """Whether the compiled check applies: float32 models on the CPU with a parameter to train
+    (Inductor's C++ backend compiles the real run; a model with nothing to train has no backward)."""
+    return case.dtype == torch.float32 and case.device == "cpu" and any(p.requires_grad for p in case.model.parameters())
+
+
+def check_compiled(case: FuzzCase) -> None:
+    """Under torch.compile, fxmem's saved bytes equal a real compiled CPU run's exactly, at the case's
+    largest batch (compiled for that batch, as torch's default mode does). GrammarError where the
+    case does not apply (``compile_checkable``) or does not train in plain PyTorch."""
+    validate_case(case)
+    if not compile_checkable(case):
+        raise GrammarError("the compiled check takes float32 CPU models with a parameter to train")
+    batch = case.batches[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = fxmem.analyze(case.model, case.inputs, loss=case.loss, target="cpu", batch=batch, compile=True)
+        try:
+            measured = fxmem.measure(case.model, case.inputs, batch, loss=case.loss, compile=True)
+        except fxmem.CaptureError as e:  # torch.compile itself fails on the model: there is no truth to hold it to
+            if "real compiled CPU run" in str(e):
+                raise GrammarError(f"torch.compile fails on this model for real: {e}") from e
+            raise
+    if report.compiled.saved != measured.total:
+        raise Mismatch(f"B={batch}: compiled saved bytes predicted {report.compiled.saved}, measured {measured.total}", ("(compiled)",))
+
+
 PEAK_TOLERANCE = 0.01
 """The step's peak against ``measure_peak``: within 1% (issue 18), in the same phase."""
 PEAK_SLACK = 64

@@ -309,3 +309,20 @@ def test_optimizer_implementations_are_offered_where_the_optimizer_has_them() ->
     considered = [e.config for e in found.evaluated]
     assert "fp32, adamw, fused" in considered and not any(c.startswith("fp32, adafactor, fused") for c in considered)
     assert not found.skipped and found.best is not None
+
+
+def test_compile_lever_plans_what_a_real_compiled_step_holds() -> None:
+    """``--allow batch,compile`` on the CPU: a configuration under torch.compile (default budget and
+    0.5) is ranked beside eager, its micro-batch from the compiled step's own largest batch; the best
+    compiled one, applied to the real model and compiled for real, stays within 2% of its predicted
+    peak and under the budget."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))
+    p = plan(model, ["B,64"], loss="mse", optimizer="sgd", target="cpu", memory=3 * 2**20, allow=["batch", "compile"], max_micro_batch=512)
+    compiled = [c for c in p.fitting if c.config.compile]
+    assert {c.config.budget for c in compiled} == {1.0, 0.5}
+    best = compiled[0]
+    proof = verify(best, model, ["B,64"], loss="mse")
+    assert proof.measured_peak <= p.memory
+    assert abs(best.peak - proof.measured_peak) <= 0.02 * proof.measured_peak, (best.peak, proof.measured_peak)
+    assert "model = torch.compile(model)" in emit_plan(p, best)

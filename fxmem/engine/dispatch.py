@@ -278,6 +278,13 @@ dispatches (5,052 of 8,274), which the modes pass through untouched."""
 class OpRuleMode(TorchDispatchMode):
     """Applies op rules: records the true size of storages whose fake kernels under-report them."""
 
+    compiled_step = False
+    """True under a compiled step: Dynamo then runs compiled code with this mode on (Note [Dynamo on
+    the traced graph] in fxmem/compiling/inductor.py)."""
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        return self.compiled_step
+
     def __init__(
         self, rules: Mapping[str, OpRule], overrides: dict[StorageWeakRef, object], layouts: Mapping[str, LayoutRule] | None = None
     ) -> None:

@@ -394,6 +394,7 @@ def _parts(report: Report, depth: Depth, top: int | None) -> list[_Part]:
     parts: list[_Part] = [
         _title(report),
         _Table(tuple(tuple(line) for line in _answer_lines(report))),
+        *_compiled_parts(report),
         _layer_table(report, g, raw=False),
         _caption(report, g, chosen=depth is None),
         _Table(tuple(tuple(line) for line in _detail_lines(report))),
@@ -486,6 +487,41 @@ def _answer_lines(report: Report) -> list[list[str]]:
     ]
     lines.append(["State : activations", _ratio(state, scaled), _reading(state, scaled)])
     return lines
+
+
+def _compiled_parts(report: Report) -> list[_Part]:
+    """Eager and ``torch.compile`` side by side (``Training(compile=True)``): saved, peak, largest batch."""
+    c = report.compiled
+    if c is None:
+        return []
+    b, budget, gpu = report.batch, report.device_memory, report.steps.device is not None
+    eager_peak, compiled_peak = report.peak(b), c.peak()
+    rows = [
+        [f"Saved for backward at B={b}", format_bytes(report.activation_bytes(b)), format_bytes(c.saved)],
+        ["Saved as a*B + c", format_expr(report.activations), format_expr(c.line) if c.line is not None else f"none ({c.why_no_line})"],
+        [f"Peak at B={b}", format_bytes(eager_peak.bytes), format_bytes(compiled_peak.bytes)],
+        ["Peak in phase", eager_peak.phase.value, compiled_peak.phase.value],
+    ]
+    if gpu:
+        rows.append([f"GPU total at B={b}", format_bytes(report.steps.device_bytes(b)), format_bytes(c.device_bytes())])
+    if budget is not None:
+        largest, (fits, fails) = c.max_batch(budget, report.least_batch)
+        compiled = "none" if largest is None else f"B={largest} (B={fails} does not fit)"
+        rows.append([f"Largest batch in {format_bytes(budget)}", _largest_eager(report), compiled])
+    kept = sum(1 for v in c.values if not v.held)
+    copy = "" if c.path == "the whole model" else f" ({c.path}; the counts are the 4-block copy's)"
+    how = (
+        f"torch.compile (default mode) as Inductor compiles it at each batch{copy}: {kept} tensors saved by the compiled forward, "
+        f"{c.kernels()} kernel calls; the loss and the optimizer step run eagerly."
+    )
+    if c.estimate:
+        how += f" The compiled peak is an estimate: {c.estimate}."
+    return [_Table(tuple(tuple(r) for r in rows), ("", "eager", "torch.compile")), how]
+
+
+def _largest_eager(report: Report) -> str:
+    largest = report.max_batch()
+    return "none" if largest is None else f"B={largest}"
 
 
 def _where_it_runs(report: Report) -> str:
@@ -825,8 +861,33 @@ def to_dict(report: Report, *, depth: Depth = None) -> dict[str, Any]:
         "batchnorm": {"layers": list(report.bn_layers), "threshold": report.bn_threshold, "caveat": report.batchnorm_caveat() or None},
         "unsupported": [{"node": u.node, "layer": u.fqn, "reason": u.reason} for u in report.accounting.unsupported],
         "pipeline": _pipeline_dict(report.pipeline, b, report.seq_len) if report.pipeline is not None else None,
+        "compiled": _compiled_dict(report) if report.compiled is not None else None,
     }
     return out
+
+
+def _compiled_dict(report: Report) -> dict[str, Any]:
+    """The step under torch.compile (``Report.compiled``): bytes exact integers, as the rest."""
+    c, budget = report.compiled, report.device_memory
+    largest = c.max_batch(budget, report.least_batch) if budget is not None else None
+    lines = c.value_lines()
+    return {
+        "batch": c.batch,
+        "path": c.path,
+        "saved": c.saved,
+        "saved_line": _expr_dict(c.line) if c.line is not None else None,
+        "why_no_line": c.why_no_line or None,
+        "values": [
+            {"name": v.name, "shape": list(v.shape), "dtype": v.dtype, "bytes": v.nbytes, "state_or_input": v.held,
+             "line": _expr_dict(lines[v.name]) if v.name in lines else None}
+            for v in c.values
+        ],  # fmt: skip
+        "peak": c.peak().bytes,
+        "peak_phase": c.peak().phase.value,
+        "device_total": c.device_bytes() if report.steps is not None and report.steps.device is not None else None,
+        "max_batch": largest[0] if largest is not None else None,
+        "estimate": c.estimate or None,
+    }
 
 
 def _verdict_dict(report: Report) -> dict[str, Any] | None:

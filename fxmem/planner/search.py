@@ -67,7 +67,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -86,10 +86,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_LEVERS", "LEVERS", "Candidate", "Config", "Evaluation", "Plan", "Unlock", "Verification", "plan", "verify"]
 
-LEVERS = ("batch", "precision", "optimizer-impl", "checkpoint", "shard", "offload", "optimizer")
+LEVERS = ("batch", "precision", "optimizer-impl", "checkpoint", "shard", "offload", "optimizer", "compile")
 """What the planner may change (``--allow``); by default every one but FSDP2's CPU offload (it trades
 the GPUs' memory for host transfers each step) and a leaner optimizer (it changes the training)."""
-DEFAULT_LEVERS = LEVERS[:-2]
+DEFAULT_LEVERS = LEVERS[:-3]
 _PRECISIONS = (("fp32", None), ("amp", "bf16"))
 """(recipe, autocast dtype) in the order of their safety (Note [Ranking by throughput]): what plain
 torch runs. Under FSDP2 its MixedPrecisionPolicy too (``_ENGINE_MIXED``); DeepSpeed's and Megatron's
@@ -121,6 +121,10 @@ class Config:
     offload: bool = False
     """FSDP2's ``CPUOffloadPolicy()``: the sharded weights, gradients and optimizer state in host memory,
     the optimizer step on the CPU."""
+    compile: bool = False
+    """``torch.compile(model)`` (default mode), its partitioner held to ``budget`` (fxmem/step/compiled.py)."""
+    budget: float = 1.0
+    """With ``compile``: ``torch._functorch.config.activation_memory_budget``."""
 
     def describe(self) -> str:
         precision = "bf16 MixedPrecisionPolicy" if self.precision == "mixed" and self.fsdp > 1 else self.precision
@@ -134,6 +138,8 @@ class Config:
             parts.append(f"data parallel {self.data_parallel}")
         if self.offload:
             parts.append("CPU offload")
+        if self.compile:
+            parts.append("torch.compile" + (f" (activation_memory_budget {self.budget:g})" if self.budget != 1.0 else ""))
         if self.checkpoint is not None:
             kept = sum(1 for b in self.checkpoint.blocks if b.checkpointed)
             parts.append(f"checkpointing {kept} of {len(self.checkpoint.blocks)} blocks")
@@ -416,7 +422,7 @@ class _Search:
         ``checkpoint`` overrides whether the lever is allowed."""
         start = time.perf_counter()
         try:
-            report = self._analyze(self.model, config)
+            report = _viewed(self._analyze(self.model, config), config)
         except FxmemError as e:
             self.skipped.append(f"{config.describe()}: {e}")
             self.evaluated.append(Evaluation(config.describe(), f"not evaluated: {e}", time.perf_counter() - start))
@@ -426,6 +432,7 @@ class _Search:
         best, floor = _fit(report, config, self.budget, self.global_batch, self.cap)
         self.floors.append(floor)
         allowed = ("checkpoint" in self.levers and not self._fits_unchecked(config)) if checkpoint is None else checkpoint
+        allowed = allowed and not config.compile  # a compiled step with checkpointing is not simulated yet
         if best is None and allowed and floor.state < self.budget and not force:  # checkpointing cannot shrink the state
             best, checkpointed = self._with_checkpointing(report, config)
             self.floors += [checkpointed] if checkpointed is not None else []
@@ -442,7 +449,8 @@ class _Search:
             model, self.inputs, loss=self.loss, optimizer=config.optimizer, batch=1, hardware=self.device, amp=config.amp,
             precision=config.precision, optimizer_impl=config.optimizer_impl, fsdp=config.fsdp, tp=config.tp, name=self.name,
             seq_len=self.seq_len, fsdp_units=config.units if config.fsdp > 1 else None,
-            tp_plan=dict(config.tp_plan) if config.tp > 1 else None, offload=config.offload,
+            tp_plan=dict(config.tp_plan) if config.tp > 1 else None, offload=config.offload, compile=config.compile,
+            activation_memory_budget=config.budget,
         )  # fmt: skip
 
     def _with_checkpointing(self, report: Report, config: Config) -> tuple[Candidate | None, Candidate | None]:
@@ -538,7 +546,7 @@ TORCHTITAN = "torchtitan Llama 3"
 """FSDP2 over every GPU with bf16 weights and fp32 reduction, per-op selective checkpointing of every
 block, AdamW fused, local batch 1 (torchtitan/models/llama3/train_configs/llama3_8b.toml)."""
 
-_UNLOCK_ORDER = ("optimizer-impl", "precision", "checkpoint", "shard", "offload", "optimizer")
+_UNLOCK_ORDER = ("optimizer-impl", "compile", "precision", "checkpoint", "shard", "offload", "optimizer")
 """Levers in the order of what they cost the training (Note [What would make it fit])."""
 
 
@@ -554,6 +562,8 @@ def _variants(model: nn.Module, base: Config, lever: str, gpus: int, optimizer: 
         return [replace(base, fsdp=gpus, units=fsdp_units(model), data_parallel=gpus)]
     if lever == "offload" and base.fsdp > 1 and base.tp == 1:
         return [replace(base, offload=True)]
+    if lever == "compile" and _compilable(base):
+        return [replace(base, compile=True, budget=b) for b in _BUDGETS]
     if lever == "optimizer":
         return [replace(base, optimizer=o, optimizer_impl=None) for o in _LEANER.get(optimizer, ()) if o != base.optimizer]
     return []
@@ -612,14 +622,56 @@ def _check_counts(gpus: int, global_batch: int | None, max_micro_batch: int) -> 
 
 
 def _configs(model: nn.Module, levers: frozenset[str], gpus: int, optimizer: str) -> Iterator[Config]:
-    """The slow levers' settings to simulate, safest first."""
+    """The slow levers' settings to simulate, safest first; with ``compile``, each one-GPU layout compiled
+    too, at torch's default partitioner budget and at the lower ones of ``_BUDGETS``."""
     optimizers = [optimizer, *(_LEANER.get(optimizer, ()) if "optimizer" in levers else ())]
     for parallel in _parallel_layouts(model, levers, gpus):
         precisions = (*_PRECISIONS, *((_ENGINE_MIXED,) if parallel.fsdp > 1 else ())) if "precision" in levers else _PRECISIONS[:1]
         for precision, amp in precisions:
             for opt in optimizers:
                 for impl in _impls(levers, opt):
-                    yield replace(parallel, precision=precision, amp=amp, optimizer=opt, optimizer_impl=impl)
+                    config = replace(parallel, precision=precision, amp=amp, optimizer=opt, optimizer_impl=impl)
+                    yield config
+                    if "compile" in levers and _compilable(config):
+                        yield from (replace(config, compile=True, budget=b) for b in _BUDGETS)
+
+
+_BUDGETS = (1.0, 0.5)
+"""The partitioner budgets a compiled configuration is tried at: torch's default, and half the
+activations (the partitioner then recomputes the cheapest half of what it would save)."""
+
+
+def _compilable(config: Config) -> bool:
+    """Whether fxmem simulates ``config`` compiled: one GPU's layout (or plain data parallel), no checkpointing."""
+    return config.fsdp == 1 and config.tp == 1 and not config.offload and config.checkpoint is None
+
+
+class _CompiledView:
+    """A report read through its compiled step (``Report.compiled``): what a configuration with
+    torch.compile holds, fits and peaks at; its step time is the eager roofline's (a lower bound either way)."""
+
+    def __init__(self, report: Report) -> None:
+        self.report, self.compiled = report, report.compiled
+
+    def max_batch(self, budget: int, *, scan: int = 0) -> int | None:
+        return self.compiled.max_batch(budget, self.report.least_batch)[0]
+
+    def fits(self, batch: int, budget: int) -> bool:
+        return bool(self.compiled.steps.fits(batch, budget))
+
+    def step_bytes(self, batch: int) -> int:
+        return self.compiled.device_bytes(batch)
+
+    def peak(self, batch: int) -> Any:
+        return self.compiled.peak(batch)
+
+    def __getattr__(self, name: str) -> Any:  # the rest (step_time, activation_bytes, ...) as the report has it
+        return getattr(self.report, name)
+
+
+def _viewed(report: Report, config: Config) -> Report:
+    """``report`` as ``config`` runs it: through its compiled step where it is compiled."""
+    return _CompiledView(report) if config.compile else report  # type: ignore[return-value]
 
 
 def _parallel_layouts(model: nn.Module, levers: frozenset[str], gpus: int) -> Iterator[Config]:
@@ -728,7 +780,7 @@ def _applied_seq_len(inputs: InputSpecs, seq_len: int | None) -> int | None:
 
 def verify(candidate: Candidate, model: nn.Module, inputs: InputSpecs, *, loss: str = "sum", seq_len: int | None = None) -> Verification:
     """Apply ``candidate`` to the real model (its checkpointing through the emitted code, its
-    precision through autocast, its optimizer and implementation) and measure one real steady step
+    precision through autocast, its optimizer and implementation, torch.compile) and measure one real steady step
     on this machine's CPU: the proof a plan made with ``target="cpu"`` is held to. A sharded candidate
     (FSDP2, tensor parallel) runs as that many real gloo processes (fxmem/measure_ranks.py)."""
     from fxmem.measure import materialize, measure_peak
@@ -747,7 +799,7 @@ def verify(candidate: Candidate, model: nn.Module, inputs: InputSpecs, *, loss: 
         real = compile_plan(config.checkpoint)(copy.deepcopy(real))
     measured = measure_peak(
         real, inputs, candidate.micro_batch, loss=loss, optimizer=config.optimizer, seq_len=seq_len, amp=config.amp,
-        optimizer_impl=config.optimizer_impl,
+        optimizer_impl=config.optimizer_impl, compile=config.compile, activation_memory_budget=config.budget,
     )  # fmt: skip
     saved = None
     if config.checkpoint is not None:

@@ -338,6 +338,9 @@ def _applies(config: Config, target: str) -> list[str]:
         words.append(f"DistributedDataParallel over {config.data_parallel} {unit}")
     elif config.tp == 1 and target == "cuda":
         words.append("moves the model to the GPU")
+    if config.compile:
+        budget = f", the partitioner's activation_memory_budget {config.budget:g}" if config.budget != 1.0 else ""
+        words.append(f"torch.compile(model) in default mode{budget}")
     return words or ["nothing: the model trains as it is"]
 
 
@@ -381,6 +384,9 @@ def _apply_lines(config: Config, target: str) -> str:
         body.append(f"model = DistributedDataParallel({on_gpu})")
     elif target == "cuda":
         body.append("model = model.to(device())")
+    if config.compile:
+        body += [f"torch._functorch.config.activation_memory_budget = {config.budget:g}"] if config.budget != 1.0 else []
+        body.append("model = torch.compile(model)")
     lines = [*imports, ""] if imports else []
     return "\n".join(f"    {line}" if line else "" for line in lines + body) or "    pass  # nothing to change in the model"
 

@@ -73,6 +73,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from fxmem.compiling.inductor import CompiledModel, compile_on_fakes, compiling
 from fxmem.engine.binding import bind_inputs, local_tensor, storage_of, swapped_state
 from fxmem.engine.capture import (
     LOSS_NODE,
@@ -90,7 +91,7 @@ from fxmem.engine.losses import Loss
 from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes, Scope
 from fxmem.engine.recompute import SIGNALS as CHECKPOINT_SIGNALS
 from fxmem.engine.recompute import RegionInterpreter
-from fxmem.errors import CaptureError, FxmemError
+from fxmem.errors import CaptureError, FxmemError, first_line
 from fxmem.frontends.checkpointing import Region
 from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
@@ -169,6 +170,12 @@ class _Raw:
 @dataclass(eq=False)
 class _Tracker(TorchDispatchMode):
     """Notes allocations and releases of storages around every op. See Note [How the timeline sees memory]."""
+
+    compiled_step = False
+    """True while it tracks a compiled step: Dynamo then runs compiled code with it on (Note [Dynamo on the traced graph])."""
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        return self.compiled_step
 
     rules: Mapping[str, OpRule]
     workspaces: Mapping[str, WorkspaceRule]
@@ -730,9 +737,18 @@ def simulate_step(
     parallel: ParallelPlan | None = None,
     strict: bool = False,
     captured: Callable[[StepCapture], None] | None = None,
+    compiled: Callable[[CompiledModel, int], None] | None = None,
+    budget: float = 1.0,
 ) -> Timeline:
     """The first training step's timeline at ``batch`` (None: B symbolic, valid for B >= 2), its ops
     as ``target`` runs them.
+
+    ``compiled``, where given, runs the model as ``torch.compile(model)`` does on its first call at
+    ``batch`` (which must be concrete): Inductor's forward and backward, every buffer as its wrapper
+    allocates and frees it (Note [Inductor on fake tensors] in fxmem/compiling/inductor.py); the loss
+    and the optimizer stay eager, as they are outside the compiled module. It is handed the compiled
+    model and the bytes packed for backward (each storage once) once the step has run; ``budget`` is
+    the partitioner's ``activation_memory_budget``.
 
     With ``parallel``, the step is one rank's of an FSDP2 run of that many ranks (fxmem/parallel):
     ``batch`` is then the rank's own batch.
@@ -758,6 +774,7 @@ def simulate_step(
             tracker.adopt(t, Category.INPUT)
         record = _recorder(gm, specs, fake, tracker, strict) if captured is not None else None
         values = bind_inputs(gm, specs, fake.inputs, model)
+        forward = _compiled(gm, values, fake, model, budget) if compiled is not None else None
         with fake.mode:
             trainable = [p for p in params.values() if p.requires_grad]
             opt = optimizer.make(trainable, target.optimizer_impl) if trainable else None  # a frozen model has no step to take
@@ -765,15 +782,40 @@ def simulate_step(
             # reach the tracker below it one by one; the tracker applies the op rules itself, since it
             # must know a storage's true size when it records the allocation.
             resizes = _resizes_seen(tracker) if parallel is not None else contextlib.nullcontext()
-            with tracker, OpRuleMode({}, {}, target.layouts), _host_rng_states(tracker), resizes:
-                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, target.kernels, scopes, record)
+            rules = OpRuleMode({}, {}, target.layouts)
+            tracker.compiled_step = rules.compiled_step = forward is not None
+            with tracker, rules, _host_rng_states(tracker), resizes:
+                packed: dict[int, object] = {}
+                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, target.kernels, scopes, record, forward, packed)
     fake.check_symbols()
     timeline = _timeline(tracker, categories, batch, fake)
     if parallel is not None and parallel.offload:  # the device's share: Note [FSDP2's CPU offload] in fxmem/parallel/fsdp.py
         timeline = device_timeline(timeline)
     if captured is not None and record is not None:
         captured(record)
+    if compiled is not None and forward is not None:
+        compiled(forward, sum(int(n) for n in packed.values()))  # type: ignore[call-overload]
     return timeline
+
+
+COMPILED_NODE = "(compiled)"
+"""What the timeline charges a compiled model's own buffers to: Inductor's kernels are not fx nodes."""
+
+
+def _compiled(gm: fx.GraphModule, values: Sequence[Any], fake: FakeBatch, model: str, budget: float) -> CompiledModel:
+    """``gm`` compiled by Inductor on this pass's fake state and inputs (fxmem/compiling/inductor.py);
+    a failure names the model and says what torch.compile stopped at."""
+    if fake.symbols:
+        raise SymbolicUnsupported("a compiled step is simulated at each batch, as torch.compile's first call compiles it")
+    try:
+        return compile_on_fakes(gm, values, budget)
+    except FxmemError:
+        raise
+    except Exception as e:
+        raise CaptureError(
+            f"model '{model}': torch.compile (Inductor, default mode) failed on it here ({type(e).__name__}: {first_line(e)}); "
+            "check that torch.compile(model) trains on this torch, or analyze the eager step without --compile."
+        ) from e
 
 
 # Note [One pass for the capture and the step]
@@ -824,8 +866,12 @@ def _run_step(
     kernels: Callable[[], AbstractContextManager[object]],
     scopes: ModuleScopes | None = None,
     record: StepCapture | None = None,
+    compiled: CompiledModel | None = None,
+    packed: dict[int, object] | None = None,
 ) -> dict[int, Category]:
-    """Run forward, loss, backward, step and zero_grad; return the categories decided along the way."""
+    """Run forward, loss, backward, step and zero_grad; return the categories decided along the way.
+    With ``compiled``, the forward is the compiled model's (and so is its backward); ``packed``, where
+    given, collects each storage packed for backward (its number and bytes)."""
     categories: dict[int, Category] = {}
 
     def activation(t: torch.Tensor) -> None:
@@ -835,6 +881,10 @@ def _run_step(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         activation(t)
+        if packed is not None:
+            entry = tracker.live.get(StorageWeakRef(storage_of(t)))
+            if entry is not None:
+                packed[entry.number] = entry.nbytes
         if record is not None:
             record.pack(t)
         return t.detach() if _saved_by_its_own_node(t) else t  # Note [What the step's saved-tensor hook keeps]
@@ -846,28 +896,39 @@ def _run_step(
             activation(t)
         tracker.kept.clear()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), kernels():
-        out = _Forward(gm, tracker, fake, model, kernels, scopes, record).run(*values)
-        keep_cached()
-        tracker.poll()  # what died after the last op is released in the phase it died in
-        tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
-        output = loss.select(out, model)
-        with _paused(tracker):  # the target is data the caller holds before the step, like the batch
-            target = loss.make_target(output)
-        if target is not None:
-            tracker.adopt(target, Category.INPUT)
-        if record is not None:
-            record.loss_starts(target)
-        value = _guarded(fake, model, f"the loss '{loss.name}'", lambda: loss.compute(output, target))
-        if record is not None:
-            record.loss_ran(value, target, loss)
+    # A compiled forward runs outside ``kernels()``, whose function modes Dynamo would guard on and
+    # recompile under: Note [Inductor on a cuda target] in fxmem/step/compiled.py
+    outside = kernels if compiled is None else contextlib.nullcontext
+    inside = contextlib.nullcontext if compiled is None else kernels
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), outside():
+        if compiled is not None:
+            tracker.node, tracker.fqn = COMPILED_NODE, ""
+            with compiling():
+                out = _guarded(fake, model, "the compiled forward", lambda: compiled(*values))
+            _label_autograd(out, (COMPILED_NODE, ""))
+        with inside():
+            if compiled is None:
+                out = _Forward(gm, tracker, fake, model, kernels, scopes, record).run(*values)
+            keep_cached()
+            tracker.poll()  # what died after the last op is released in the phase it died in
+            tracker.phase, tracker.node, tracker.fqn = Phase.LOSS, LOSS_NODE, "(loss)"
+            output = loss.select(out, model)
+            with _paused(tracker):  # the target is data the caller holds before the step, like the batch
+                target = loss.make_target(output)
+            if target is not None:
+                tracker.adopt(target, Category.INPUT)
+            if record is not None:
+                record.loss_starts(target)
+            value = _guarded(fake, model, f"the loss '{loss.name}'", lambda: loss.compute(output, target))
+            if record is not None:
+                record.loss_ran(value, target, loss)
     tracker.poll()
     _mark(tracker, categories, out, Category.ACTIVATION)  # the caller holds the output
     _label_autograd(value, (LOSS_NODE, "(loss)"))
     _label_accumulators({**params, **gathered_parameters(gm)} if scopes is not None else params, value)
     tracker.phase = Phase.BACKWARD
     if value.requires_grad:  # nothing to differentiate when every parameter is frozen
-        with _node_hooks(tracker, value):
+        with _node_hooks(tracker, value), compiling() if compiled is not None else contextlib.nullcontext():
             _guarded(fake, model, "backward()", value.backward)
     tracker.poll()
     tracker.phase, tracker.node, tracker.fqn = Phase.OPTIMIZER, "optimizer.step", ""

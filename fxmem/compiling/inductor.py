@@ -1,0 +1,246 @@
+"""torch.compile's own pipeline, run on fake tensors: what a compiled step allocates and saves.
+
+``compile_on_fakes`` hands a traced model to Inductor's ``compile_fx``, the function
+``torch.compile(model)`` (default mode) calls through Dynamo, with the pass's fake inputs. Everything
+torch decides runs as it would on a real first call: AOTAutograd's joint graph with Inductor's
+decompositions, Inductor's joint-graph passes and its min-cut partitioner (what the forward saves
+and what backward recomputes), the post-grad passes, lowering, fusion, scheduling and the wrapper's
+buffer reuse. Only the compiled kernels are left out: see Note [Inductor on fake tensors].
+
+Note [Inductor on fake tensors]
+    Inductor's CPU output is a Python wrapper (``call(args)``) that allocates every buffer with
+    ``empty_strided_cpu``, calls a C++ kernel or an ATen ("extern") kernel per fused group, frees
+    buffers with ``del`` and hands dead buffers of the right size to later ones (``buf7 = buf6; del
+    buf6  # reuse``; torch/_inductor/codegen/wrapper.py, ``memory_plan_reuse``). The C++ kernels are
+    compiled when the wrapper's module is loaded (``async_compile.cpp_pybinding``), which takes g++
+    seconds per kernel and needs real data. Here the module is loaded with a stand-in for
+    ``AsyncCompile`` whose kernels do nothing, and ``empty_strided_cpu`` and ``reinterpret_tensor``
+    (C functions that bypass the dispatcher) are replaced by ``torch.empty_strided`` and
+    ``as_strided``, which dispatch, so that fake tensors come out and a dispatch mode sees every
+    allocation. ATen kernels the wrapper calls (``extern_kernels.addmm(..., out=buf0)``, fallbacks)
+    run on the fake tensors as in eager. The wrapper then runs as written: its allocations, frees and
+    reuses are the compiled step's, and what AOTAutograd's ``CompiledFunction`` hands to
+    ``ctx.save_for_backward`` is what the partitioner chose. Inductor's caches are off for the compile
+    (``fx_graph_cache``, AOTAutograd's ``enable_autograd_cache``), so no stand-in kernel is ever stored
+    where a real compile would find it, nor a real compile's artifact taken for a prediction.
+    Checked against real compiled CPU steps in tests/test_compiling.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import tempfile
+import types
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+__all__ = ["CompiledModel", "SavedValue", "compile_on_fakes", "compiling", "inductor_settings", "saved_values"]
+
+
+@dataclass
+class CompiledModel:
+    """The model as ``torch.compile`` runs it: call it with the graph's input values."""
+
+    run: Callable[..., Any]
+    """``torch.compile(gm)`` with Inductor's stand-in backend, compiled already for these inputs."""
+    wrappers: tuple[str, ...]
+    """Inductor's wrapper code of each compiled graph, in the order compiled (a forward, its backward; more with graph breaks)."""
+    graphs: tuple[fx.GraphModule, ...] = ()
+    """The graphs AOTAutograd's partitioner made, as Inductor received them, in the same order."""
+    breaks: int = 0
+    """How many graphs Dynamo captured beyond the first (graph breaks)."""
+
+    def __call__(self, *values: Any) -> Any:
+        return self.run(*values)
+
+
+# Note [Dynamo on the traced graph]
+#     The partitioner's choices hang on details of the graph it is given: with equal-cost cuts it
+#     keeps the first in the graph's order, and Dynamo lifts parameters and inputs as graph inputs in
+#     the order the code first reaches them (a ViT's patch embedding: the convolution's weight and
+#     bias, then the image). A graph built here with the parameters first saved the ViT test config's
+#     first LayerNorm input instead of the embeddings' sum and its statistics, 272 B from a real
+#     compiled run; a HF GPT-2's head input was left out likewise. So Dynamo itself captures the graph:
+#     ``torch.compile(gm)`` on the traced graph with its fake parameters and fake inputs, called once
+#     outside any mode, compiles it as a user's first call does (graph breaks included: a module
+#     Dynamo leaves to eager, as it leaves ``nn.LSTM``, runs eagerly in the step too). The step then
+#     calls the compiled graph under the timeline's dispatch modes, which declare
+#     ``ignore_compile_internals``: Dynamo runs the compiled code with them on (torch/utils/
+#     _python_dispatch.py, ``TorchDispatchMode.ignore_compile_internals``), so they see every buffer
+#     Inductor's wrapper allocates. Recompiles are static (``automatic_dynamic_shapes`` off: each
+#     batch is a first call, as for a job with a fixed batch) and use the stand-in kernels as well.
+
+
+def inductor_settings() -> dict[str, object]:
+    """Inductor's configuration for a prediction: its defaults, with the caches off (Note [Inductor on fake tensors])."""
+    return {"fx_graph_cache": False, "fx_graph_remote_cache": False, "autotune_local_cache": False}
+
+
+def compile_on_fakes(gm: fx.GraphModule, values: Sequence[Any], budget: float = 1.0) -> CompiledModel:
+    """``torch.compile(gm)`` (default mode) compiled by one call on the pass's fake state and input
+    ``values`` (Note [Dynamo on the traced graph]), the partitioner held to ``budget``
+    (``activation_memory_budget``). Call outside any mode: a function mode on the stack would be
+    traced into the graph, and guarded on."""
+    wrappers: list[str] = []
+    graphs: list[fx.GraphModule] = []
+    backend = functools.partial(_stand_in_inductor, wrappers=wrappers, graphs=graphs, budget=budget)
+    compiled = torch.compile(gm, backend=backend)
+    with _disable_current_modes(), compiling():
+        compiled(*values)
+    return CompiledModel(compiled, tuple(wrappers), tuple(graphs), max(0, len(graphs) // 2 - 1))
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """Dynamo's settings for a prediction's compiles and for the compiled step's run (Note [Dynamo on the traced graph])."""
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=1024, accumulated_recompile_limit=1 << 16):
+        yield
+
+
+def _stand_in_inductor(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, wrappers: list[str], graphs: list[fx.GraphModule], budget: float = 1.0
+) -> Any:
+    """Inductor as torch.compile's default backend, with the stand-in kernels (Note [Inductor on fake tensors])."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(graph: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        graphs.append(graph)
+        return compile_fx_inner(graph, *args, **kwargs)
+
+    # backward now, under the stand-ins; and no AOTAutograd cache, which could hand back a real compile's artifact
+    lowering = functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False, activation_memory_budget=budget)
+    with config.patch(inductor_settings()), lowering, _stand_in_kernels(wrappers):
+        return compile_fx(gm, example_inputs, inner_compile=inner)
+
+
+class _NoKernels:
+    """``AsyncCompile`` whose kernels do nothing (Note [Inductor on fake tensors])."""
+
+    def __init__(self, *_: object, **__: object) -> None:
+        pass
+
+    def wait(self, scope: object) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Callable[..., Callable[..., None]]:
+        return lambda *_, **__: _no_kernel
+
+
+def _no_kernel(*_: object, **__: object) -> None:
+    return None
+
+
+def _empty_strided(size: Sequence[Any], stride: Sequence[Any], dtype: torch.dtype, *_: object) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _reinterpret(t: torch.Tensor, size: Sequence[Any], stride: Sequence[Any], offset: Any) -> torch.Tensor:
+    return t.as_strided(size, stride, t.storage_offset() + offset)
+
+
+@contextlib.contextmanager
+def _stand_in_kernels(wrappers: list[str]) -> Iterator[None]:
+    """Load every wrapper Inductor writes with kernels that do nothing, and keep its code."""
+    from torch._inductor.graph import GraphLowering
+
+    original = GraphLowering._compile_to_module_lines
+    paths: list[str] = []
+
+    def load(self: GraphLowering, wrapper_code: Any) -> types.ModuleType:
+        return _load_wrapper(self, wrapper_code.value, wrappers, paths)
+
+    GraphLowering._compile_to_module_lines = load  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        GraphLowering._compile_to_module_lines = original  # type: ignore[method-assign]
+        for path in paths:  # read back by CompiledFxGraph as it was made
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
+def _load_wrapper(graph: Any, code: str, wrappers: list[str], paths: list[str]) -> types.ModuleType:
+    """The wrapper's module as ``PyCodeCache.load_by_key_path`` would make it, with stand-in kernels;
+    its source in a temporary file, which ``CompiledFxGraph`` reads back."""
+    import torch._inductor.async_compile as async_compile
+
+    wrappers.append(code)
+    module = types.ModuleType(f"fxmem_inductor_{len(wrappers)}")
+    handle, path = tempfile.mkstemp(prefix="fxmem_inductor_", suffix=".py")
+    with os.fdopen(handle, "w") as f:
+        f.write(code)
+    module.__file__ = path
+    paths.append(path)
+    real = async_compile.AsyncCompile
+    async_compile.AsyncCompile = _NoKernels  # type: ignore[misc,assignment]
+    try:
+        exec(compile(code, path, "exec"), module.__dict__)
+    finally:
+        async_compile.AsyncCompile = real  # type: ignore[misc]
+    for name, value in {**graph.constants, **graph.torchbind_constants}.items():
+        setattr(module, name, value)
+    module.empty_strided_cpu = _empty_strided  # type: ignore[attr-defined]
+    module.reinterpret_tensor = _reinterpret  # type: ignore[attr-defined]
+    graph.cache_key, graph.cache_path, graph.cache_linemap = f"fxmem{len(wrappers)}", path, []
+    return module
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """One value the compiled forward hands to its backward (the partitioner's choice)."""
+
+    name: str
+    """The forward graph's node."""
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    held: bool
+    """A parameter, buffer or input (or a view of one): saved, but no activation memory."""
+
+
+def saved_values(compiled: CompiledModel) -> tuple[SavedValue, ...]:
+    """What the partitioner saved, over every compiled graph: each backward graph's inputs that are
+    not incoming gradients (``tangents_*``), tensors only (a saved size is a SymInt, no memory).
+    Parameters and the model's inputs (``primals_*``) are among them where backward reads them."""
+    found: list[SavedValue] = []
+    forward: dict[str, fx.Node] = {}
+    for graph in compiled.graphs:
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        if not any(n.name.startswith("tangents") for n in placeholders):
+            forward = {n.name: n for n in graph.graph.nodes}  # a forward: its backward comes next, if it has one
+            continue
+        for n in placeholders:
+            value = n.meta.get("val")
+            if n.name.startswith("tangents") or not isinstance(value, torch.Tensor):
+                continue
+            dtype = str(value.dtype).removeprefix("torch.")
+            found.append(SavedValue(n.name, tuple(int(d) for d in value.shape), dtype, _nbytes(value), _held_before(forward.get(n.name))))
+    return tuple(found)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes()) if t.numel() else 0
+
+
+def _held_before(node: fx.Node | None) -> bool:
+    """Whether a forward value is a parameter, a buffer or an input, or a view of one (a weight's
+    transpose): its memory is the state's or the batch's, not the saved activations'."""
+    while node is not None and node.op == "call_function":
+        target = node.target
+        if not (isinstance(target, torch._ops.OpOverload) and target.is_view) or not node.args:
+            return False
+        node = node.args[0] if isinstance(node.args[0], fx.Node) else None
+    return node is not None and node.op == "placeholder"
