@@ -192,6 +192,11 @@ def _analyze(
     warn: bool = True,
 ) -> Report:
     """``analyze`` on the option objects; ``warn=False`` leaves the FxmemWarnings to the caller."""
+    if parallel.pp != 1 and training.compile:
+        raise InputSpecError(
+            f"model '{name}': --compile is simulated on one GPU without pipeline, FSDP2 or tensor parallel so far; "
+            "drop --pp to see what torch.compile keeps on one device."
+        )
     if parallel.pp != 1:
         one_gpu = functools.partial(
             _analyze, model, inputs, training, hardware, Parallelism(world_size=parallel.world_size, shard=parallel.shard), batch=batch,
@@ -267,7 +272,7 @@ def _check_compilable(gm: fx.GraphModule, plan: ParallelPlan | None, peak: bool,
         raise InputSpecError(f"model '{name}': --compile simulates the compiled training step, which --no-peak (peak=False) skips; drop one.")
     if plan is not None:
         raise InputSpecError(
-            f"model '{name}': --compile is simulated on one GPU without FSDP2 or tensor parallel so far; "
+            f"model '{name}': --compile is simulated on one GPU without FSDP2, tensor or pipeline parallel so far; "
             "drop --fsdp/--tp to see what torch.compile keeps on one device."
         )
     if checkpoint_regions(gm):

@@ -1401,7 +1401,8 @@ def compile_checkable(case: FuzzCase) -> bool:
 def check_compiled(case: FuzzCase) -> None:
     """Under torch.compile, fxmem's saved bytes equal a real compiled CPU run's exactly, at the case's
     largest batch (compiled for that batch, as torch's default mode does). GrammarError where the
-    case does not apply (``compile_checkable``) or does not train in plain PyTorch."""
+    case does not apply (``compile_checkable``), does not train in plain PyTorch, or where Dynamo breaks
+    the graph (the report then says its figures are an estimate)."""
     validate_case(case)
     if not compile_checkable(case):
         raise GrammarError("the compiled check takes float32 CPU models with a parameter to train")
@@ -1409,6 +1410,8 @@ def check_compiled(case: FuzzCase) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = fxmem.analyze(case.model, case.inputs, loss=case.loss, target="cpu", batch=batch, compile=True)
+        if report.compiled.passes[batch].model.breaks:  # an estimate, said so: Note [Graph breaks of the traced graph]
+            raise GrammarError(f"Dynamo breaks the graph: {report.compiled.estimate}")
         try:
             measured = fxmem.measure(case.model, case.inputs, batch, loss=case.loss, compile=True)
         except fxmem.CaptureError as e:  # torch.compile itself fails on the model: there is no truth to hold it to

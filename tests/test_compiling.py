@@ -125,9 +125,10 @@ def test_largest_compiled_batch_against_the_budget_it_is_judged_by() -> None:
     assert "torch.compile" in text and f"B={largest} (B={fails} does not fit)" in text
 
 
-def test_compile_under_fsdp_is_refused_before_compiling() -> None:
+@pytest.mark.parametrize("parallel", [{"fsdp": 2}, {"pp": 2}])
+def test_compile_with_parallelism_is_refused_before_compiling(parallel: dict[str, int]) -> None:
     with pytest.raises(InputSpecError, match="--compile is simulated on one GPU"):
-        fxmem.analyze(nn.Sequential(nn.Linear(4, 4)), ["B,4"], compile=True, fsdp=2)
+        fxmem.analyze(nn.Sequential(nn.Linear(4, 4)), ["B,4"], compile=True, **parallel)
 
 
 def test_activation_memory_budget_as_torch_applies_it() -> None:

@@ -515,7 +515,7 @@ def _compiled_parts(report: Report) -> list[_Part]:
         f"{c.kernels()} kernel calls; the loss and the optimizer step run eagerly."
     )
     if c.estimate:
-        how += f" The compiled peak is an estimate: {c.estimate}."
+        how += f" An estimate: {c.estimate}."
     return [_Table(tuple(tuple(r) for r in rows), ("", "eager", "torch.compile")), how]
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fxmem.compiling.inductor import CompiledModel, SavedValue, saved_values
+from fxmem.errors import first_line
 from fxmem.gpu.device import DeviceModel
 from fxmem.results import Peak, Timeline
 from fxmem.step.peak import StepPeaks
@@ -70,8 +71,9 @@ class CompiledStep:
     why_no_line: str
     steps: StepPeaks | DeepSteps
     estimate: str
-    """What the peak assumes where it is an estimate: on a cuda target (Note [Inductor on a cuda target]),
-    and on the CPU where convolutions run channels-last; "" where it is Inductor's own plan, exactly."""
+    """What the figures assume where they are estimates: graph breaks (Note [Graph breaks of the traced
+    graph] in fxmem/compiling/inductor.py), a cuda target (Note [Inductor on a cuda target]), and on the
+    CPU convolutions, which run channels-last; "" where they are Inductor's own plan, exactly."""
     passes: dict[int, CompiledPass] = field(default_factory=dict, repr=False)
     path: str = "the whole model"
     """What was compiled: the whole model, or copies cut to 3 and 4 blocks (Note [A deep compiled model from its copies])."""
@@ -268,15 +270,22 @@ def _from_copies(
 
 
 def _estimate(compiled: CompiledPass, device: DeviceModel | None) -> str:
-    """What the compiled peak assumes where it is not exact ("" where it is)."""
+    """What the compiled figures assume where they are not exact ("" where they are)."""
+    said = []
+    if compiled.model.breaks:
+        reasons = sorted(set(first_line(Exception(r), 120) for r in compiled.model.breaks))
+        said.append(
+            f"Dynamo broke the graph {len(compiled.model.breaks)} time(s) ({'; '.join(reasons)}), and a break in the traced "
+            "graph can split the model otherwise than in your code's frames, saved bytes included (Note [Graph breaks of the traced graph])"
+        )
     if device is not None:
-        return "Inductor's CPU plan under the GPU's kernel rules (Note [Inductor on a cuda target])"
-    if any("convolution" in code for code in compiled.model.wrappers):
-        return (
+        said.append("Inductor's CPU plan under the GPU's kernel rules (Note [Inductor on a cuda target])")
+    elif any("convolution" in code for code in compiled.model.wrappers):
+        said.append(
             "Inductor runs convolutions channels-last, and the scratchpads of oneDNN's channels-last kernels are not "
             "modelled (Note [CPU oneDNN convolution buffers]); the ResNet-50 test config's peak was 6.7% below a real compiled step"
         )
-    return ""
+    return "; ".join(said)
 
 
 def _saved_line(first: CompiledPass, second: CompiledPass, b1: int, b2: int) -> tuple[ByteExpr | None, str]:

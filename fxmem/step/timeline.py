@@ -900,7 +900,9 @@ def _run_step(
     # recompile under: Note [Inductor on a cuda target] in fxmem/step/compiled.py
     outside = kernels if compiled is None else contextlib.nullcontext
     inside = contextlib.nullcontext if compiled is None else kernels
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), outside():
+    # The hook runs inside the compiled forward, where Dynamo would compile it as the model's code
+    hook = torch._dynamo.disable(pack) if compiled is not None else pack
+    with torch.autograd.graph.saved_tensors_hooks(hook, _unpack), outside():
         if compiled is not None:
             tracker.node, tracker.fqn = COMPILED_NODE, ""
             with compiling():
