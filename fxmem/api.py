@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -251,8 +251,7 @@ def _analyze(
             per_gpu = engine_share(steps.timeline(batch), steps.peak(batch), batch, seq, plan.world_size, setup.engine_name, host)
     compiled = None
     if training.compile:
-        _check_compilable(gm, plan, peak, name, training.activation_memory_budget)
-        held = _held_state(model, opt, param_dtype, setup, impl, per_gpu)
+        _check_compilable(gm, plan, peak, name, training.activation_memory_budget)  # peak: ``held`` and ``steps`` are made
         simulator = lambda graph: lambda b, made: simulate(graph, b, None, made)
         copies = (shallow[1][3], shallow[1][4], shallow[0].depth) if shallow is not None and held.unchanged else None
         overhead = (lambda b: int(steps.device_bytes(b) - steps.bytes(b))) if device is not None and steps is not None else None

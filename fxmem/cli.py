@@ -342,7 +342,7 @@ def _analyze_parser(sub: Any) -> None:
     v.add_argument("--html", metavar="FILE.html", help="also write the report as one self-contained web page (module tree, the step's memory over time, the batch trade-off); open it in any browser")
     g.training.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     g.training.add_argument("--compile", action="store_true", help="also predict the step with torch.compile(model) (default mode): Inductor itself compiles the model on fake tensors at each batch asked, and the report shows what the compiled step saves, its peak and the largest batch beside eager's")
-    g.training.add_argument("--activation-memory-budget", type=float, default=1.0, metavar="F", help="with --compile: torch._functorch.config.activation_memory_budget, the share of activations the partitioner may save (default 1.0: its min-cut; lower recomputes more in backward)")
+    g.training.add_argument("--activation-memory-budget", type=float, default=1.0, metavar="F", help="with --compile: torch._functorch.config.activation_memory_budget, what the partitioner may save, from 0.0 (what checkpointing the whole compiled region saves) to 1.0 (the default: its min-cut); lower recomputes more in backward")
     g.training.add_argument("--param-dtype", metavar="DTYPE", help="count weights, gradients and optimizer state in this dtype (e.g. bfloat16). Accounting only: the model-state lines change, but the step is simulated with the model's own weights (their dtype, the activations, the peak), so --input must match their dtype unless --amp casts it; --precision bf16 runs the step in bfloat16")
     g.advanced.add_argument("--strict", action="store_true", help="fail on a saved tensor whose size depends on the data, instead of counting it as 0 B and listing it")
     g.advanced.add_argument("--no-peak", action="store_true", help="skip simulating the whole step: faster, but the batch that fits is then judged on state + activations + inputs, without temporaries")
@@ -656,9 +656,10 @@ def _measure_compiled(args: argparse.Namespace, say: Callable[[str], None]) -> s
     rows = [[v.name, "x".join(map(str, v.shape)), v.dtype, format_bytes(v.nbytes)] for v in compiled.values if not v.held]
     table = tabulate(rows, headers=["Saved by the compiled forward", "Shape", "Dtype", "Bytes"], disable_numparse=True)
     verdict = "exact" if compiled.saved == total else f"differs by {compiled.saved - total:+d} B"
+    listed = "" if compiled.path == "the whole model" else f" The values listed are the 4-block copy's: the prediction is {compiled.path}."
     return (
         f"{table}\n\nSaved for backward at B={args.batch} under torch.compile (the compiled forward's and the eager loss's): "
-        f"measured {total} B, predicted {compiled.saved} B: {verdict}.\n"
+        f"measured {total} B, predicted {compiled.saved} B: {verdict}.{listed}\n"
     )
 
 

@@ -241,6 +241,13 @@ def tensors_of(specs: Sequence[InputSpec], values: Sequence[object]) -> list[tor
     return [v for s, v in zip(specs, values) if not isinstance(s, Constant) and isinstance(v, torch.Tensor)]
 
 
+def call_arguments(specs: Sequence[InputSpec], values: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The values as ``model(*args, **kwargs)`` takes them: positional inputs in order, named ones by name."""
+    args = [v for s, v in zip(specs, values) if s.name is None]
+    kwargs = {s.name: v for s, v in zip(specs, values) if s.name is not None}
+    return args, kwargs
+
+
 def has_seq(specs: Sequence[InputSpec]) -> bool:
     """True when some input has a symbolic sequence axis S."""
     return any(SEQ in s.dims for s in specs)

@@ -46,7 +46,7 @@ from fxmem.engine.recompute import selective_caches
 from fxmem.errors import CaptureError, FxmemError, InputSpecError
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.tracing import trace_model
-from fxmem.inputs import InputSpec, InputSpecs, check_batch, make_input, parse_inputs, tensors_of
+from fxmem.inputs import InputSpec, InputSpecs, call_arguments, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.options import Training, merge
 from fxmem.results import Phase
 from fxmem.rules.optimizers import OptimizerRule
@@ -181,8 +181,7 @@ def _compiled_for_real(
     torch._dynamo.reset()
     compiled = torch.compile(model)
     tensors = [_to(make_input(s, batch, seq), device) for s in specs]
-    args = [t for s, t in zip(specs, tensors) if s.name is None]
-    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    args, kwargs = call_arguments(specs, tensors)
     with _quiet_stderr(), torch._functorch.config.patch(activation_memory_budget=budget):
         output = loss.select(compiled(*args, **kwargs), type(model).__name__)
         value = loss.compute(output, loss.make_target(output))
@@ -198,8 +197,7 @@ def _eager_total(
     """Saved activation bytes of ``model(...)`` plus the loss, without fx: the independent total.
     ``state``: the module whose parameters and buffers are left out, where ``model`` wraps it."""
     tensors = [make_input(s, batch, seq) for s in specs]
-    args = [t for s, t in zip(specs, tensors) if s.name is None]
-    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    args, kwargs = call_arguments(specs, tensors)
     held = state if state is not None else model
     excluded = {StorageWeakRef(t.untyped_storage()) for t in [*held.parameters(), *held.buffers(), *tensors_of(specs, tensors)]}
     seen: dict[StorageWeakRef, int] = {}
@@ -287,8 +285,7 @@ def measure_peak(
     torch.manual_seed(seed)
     real = materialize(model).train().to(device)
     tensors = [_to(make_input(s, batch, seq_len), device) for s in specs]
-    args = [t for s, t in zip(specs, tensors) if s.name is None]
-    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    args, kwargs = call_arguments(specs, tensors)
     name = type(model).__name__
     with (
         _real_run(model, batch, real=real),

@@ -69,7 +69,7 @@ from fxmem.engine.recompute import selective_caches
 from fxmem.errors import CaptureError, InputSpecError
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.load import import_user_file, user_files
-from fxmem.inputs import InputSpecs, check_batch, make_input, parse_inputs, tensors_of
+from fxmem.inputs import InputSpecs, call_arguments, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.measure import _highest, _name, _optimizer, _profiled, _profiler_range, _quiet_stderr, _real_step, materialize
 from fxmem.parallel import ParallelPlan, apply_plan, plan_mesh, tp_layers
 from fxmem.parallel.fsdp import gathered_weights
@@ -294,8 +294,7 @@ def _measure_rank(config: dict[str, Any], model: nn.Module, rank: int) -> dict[s
     specs, loss_fn, rule = config["specs"], get_loss(config["loss"]), get_optimizer(config["optimizer"])
     torch.manual_seed(config["seed"])
     tensors = [make_input(s, config["batch"], config["seq_len"]) for s in specs]
-    args = [t for s, t in zip(specs, tensors) if s.name is None]
-    kwargs = {s.name: t for s, t in zip(specs, tensors) if s.name is not None}
+    args, kwargs = call_arguments(specs, tensors)
     name = config["name"]
     with torch.no_grad():
         target = loss_fn.make_target(loss_fn.select(model(*args, **kwargs), name))

@@ -64,8 +64,9 @@ class Training:
     compile: bool = False
     """Also predict the step with ``torch.compile(model)`` (default mode): ``Report.compiled``, shown beside the eager step."""
     activation_memory_budget: float = 1.0
-    """With ``compile``: ``torch._functorch.config.activation_memory_budget``, the share of the
-    activations the partitioner may save (1.0, torch's default: its min-cut; lower recomputes more in backward)."""
+    """With ``compile``: ``torch._functorch.config.activation_memory_budget``, what the partitioner may
+    save, from 0.0 (what checkpointing the whole compiled region saves) to 1.0 (torch's default, its
+    min-cut); lower recomputes more in backward."""
 
 
 @dataclass(frozen=True)

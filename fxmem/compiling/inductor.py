@@ -71,13 +71,17 @@ class CompiledModel:
 #     first LayerNorm input instead of the embeddings' sum and its statistics, 272 B from a real
 #     compiled run; a HF GPT-2's head input was left out likewise. So Dynamo itself captures the graph:
 #     ``torch.compile(gm)`` on the traced graph with its fake parameters and fake inputs, called once
-#     outside any mode, compiles it as a user's first call does (graph breaks included: a module
-#     Dynamo leaves to eager, as it leaves ``nn.LSTM``, runs eagerly in the step too). The step then
-#     calls the compiled graph under the timeline's dispatch modes, which declare
-#     ``ignore_compile_internals``: Dynamo runs the compiled code with them on (torch/utils/
-#     _python_dispatch.py, ``TorchDispatchMode.ignore_compile_internals``), so they see every buffer
-#     Inductor's wrapper allocates. Recompiles are static (``automatic_dynamic_shapes`` off: each
-#     batch is a first call, as for a job with a fixed batch) and use the stand-in kernels as well.
+#     outside any mode, compiles it as a user's first call does (a module Dynamo leaves to eager, as
+#     it leaves ``nn.LSTM``, runs eagerly in the step too: Note [Graph breaks of the traced graph]).
+#     The step then calls the compiled graph under the timeline's dispatch modes, which declare
+#     ``ignore_compile_internals`` (``SeesCompiledCode``): Dynamo runs the compiled code with them on
+#     (torch/utils/_python_dispatch.py), so they see every buffer Inductor's wrapper allocates. The
+#     target's function modes (``StepTarget.kernels``) stay off around the compiled call: Dynamo
+#     guards on the function-mode stack, and a mode the compile did not see would make it recompile
+#     with the mode traced into the graph. The saved-tensor hook runs inside the compiled forward, so
+#     it is ``torch._dynamo.disable``d, else Dynamo would compile fxmem's own bookkeeping. Recompiles
+#     are static (``automatic_dynamic_shapes`` off: each batch is a first call, as for a job with a
+#     fixed batch) and use the stand-in kernels as well.
 
 
 def inductor_settings() -> dict[str, object]:

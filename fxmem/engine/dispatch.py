@@ -275,15 +275,19 @@ QUERIES = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.defaul
 dispatches (5,052 of 8,274), which the modes pass through untouched."""
 
 
-class OpRuleMode(TorchDispatchMode):
-    """Applies op rules: records the true size of storages whose fake kernels under-report them."""
+class SeesCompiledCode:
+    """A dispatch mode that stays on while Dynamo runs compiled code, where ``compiled_step`` is set:
+    Dynamo runs a compiled artifact under a mode only when the mode ignores compile internals
+    (torch/utils/_python_dispatch.py; Note [Dynamo on the traced graph] in fxmem/compiling/inductor.py)."""
 
     compiled_step = False
-    """True under a compiled step: Dynamo then runs compiled code with this mode on (Note [Dynamo on
-    the traced graph] in fxmem/compiling/inductor.py)."""
 
-    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+    def ignore_compile_internals(self) -> bool:
         return self.compiled_step
+
+
+class OpRuleMode(SeesCompiledCode, TorchDispatchMode):
+    """Applies op rules: records the true size of storages whose fake kernels under-report them."""
 
     def __init__(
         self, rules: Mapping[str, OpRule], overrides: dict[StorageWeakRef, object], layouts: Mapping[str, LayoutRule] | None = None

@@ -637,8 +637,9 @@ def _configs(model: nn.Module, levers: frozenset[str], gpus: int, optimizer: str
 
 
 _BUDGETS = (1.0, 0.5)
-"""The partitioner budgets a compiled configuration is tried at: torch's default, and half the
-activations (the partitioner then recomputes the cheapest half of what it would save)."""
+"""The partitioner budgets a compiled configuration is tried at: torch's default (1.0, its min-cut), and
+0.5, halfway between that and checkpointing the whole compiled region (0.0), the least recomputation
+that stays under it chosen by a knapsack (``activation_memory_budget`` in torch/_functorch/config.py)."""
 
 
 def _compilable(config: Config) -> bool:

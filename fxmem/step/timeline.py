@@ -85,7 +85,7 @@ from fxmem.engine.capture import (
     node_fqn,
     quiet_fake_tensor_log,
 )
-from fxmem.engine.dispatch import QUERIES, LayoutRule, OpRule, OpRuleMode
+from fxmem.engine.dispatch import QUERIES, LayoutRule, OpRule, OpRuleMode, SeesCompiledCode
 from fxmem.engine.flops import OpCost, is_view_like, op_cost
 from fxmem.engine.losses import Loss
 from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes, Scope
@@ -168,14 +168,8 @@ class _Raw:
 
 
 @dataclass(eq=False)
-class _Tracker(TorchDispatchMode):
+class _Tracker(SeesCompiledCode, TorchDispatchMode):
     """Notes allocations and releases of storages around every op. See Note [How the timeline sees memory]."""
-
-    compiled_step = False
-    """True while it tracks a compiled step: Dynamo then runs compiled code with it on (Note [Dynamo on the traced graph])."""
-
-    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
-        return self.compiled_step
 
     rules: Mapping[str, OpRule]
     workspaces: Mapping[str, WorkspaceRule]
@@ -897,7 +891,7 @@ def _run_step(
         tracker.kept.clear()
 
     # A compiled forward runs outside ``kernels()``, whose function modes Dynamo would guard on and
-    # recompile under: Note [Inductor on a cuda target] in fxmem/step/compiled.py
+    # recompile under: Note [Dynamo on the traced graph] in fxmem/compiling/inductor.py
     outside = kernels if compiled is None else contextlib.nullcontext
     inside = contextlib.nullcontext if compiled is None else kernels
     # The hook runs inside the compiled forward, where Dynamo would compile it as the model's code
