@@ -20,6 +20,7 @@ from fxmem.errors import CaptureError, FxmemError, InputSpecError
 from fxmem.frontends.blocks import BlockStack
 from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.deepen import trace_blocks
+from fxmem.frontends.hf_paths import code_paths_taken
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.options import Hardware, Parallelism, Training, merge, spell, warn_at_caller
@@ -28,6 +29,7 @@ from fxmem.report import Report
 from fxmem.results import Accounting, Capture, Category, PerGpuState, StateBytes, Timeline
 from fxmem.rules.ops import layout_rules_for, op_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
+from fxmem.rules.routing import routed_sizes_seen, routing_ledger
 from fxmem.step.passes import SHARED_BATCHES, SharedPasses, Simulate
 from fxmem.step.peak import StepPeaks
 from fxmem.step.pipeline import (
@@ -172,6 +174,21 @@ def analyze(
             module.training = mode
 
 
+def _with_ledgers(analyze: Callable[..., Report]) -> Callable[..., Report]:
+    """``analyze`` with what its passes assumed and chose in words on the report: the routing of
+    mixture-of-experts loops (Note [Routed sizes]) and the code paths taken while exporting (Note [Eager
+    code paths under torch.export])."""
+
+    @functools.wraps(analyze)
+    def run(*args: Any, **kwargs: Any) -> Report:
+        with routing_ledger() as routed, code_paths_taken() as paths:
+            report = analyze(*args, **kwargs)
+        return replace(report, routed=routed_sizes_seen(routed), paths=tuple(sorted(paths))) if routed or paths else report
+
+    return run
+
+
+@_with_ledgers
 def _analyze(
     model: nn.Module,
     inputs: InputSpecs,

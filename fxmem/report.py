@@ -72,6 +72,10 @@ class Report:
     """With ``--pp``: every rank of the pipeline (a ``fxmem.parallel.pipeline_report.PipelineRun``); ``steps`` is then the highest rank's."""
     graph: Any = field(default=None, compare=False, repr=False)
     """The traced graph module the analysis ran (a pipeline splits its stages from it rather than trace again)."""
+    paths: tuple[str, ...] = ()
+    """Which of a library's code paths the traced graph took, in words (Note [Eager code paths under torch.export] in fxmem/frontends/hf_paths.py)."""
+    routed: tuple[str, ...] = ()
+    """Counts that depend on a mixture-of-experts layer's routing, taken as an even split, in words (Note [Routed sizes] in fxmem/rules/routing.py)."""
     compiled: Any = field(default=None, compare=False, repr=False)
     """With ``Training(compile=True)``: the step under ``torch.compile(model)`` (a ``fxmem.step.compiled.CompiledStep``)."""
     _cache: dict[int, Mapping[str, int]] = field(default_factory=dict, compare=False, repr=False)
@@ -282,7 +286,8 @@ class Report:
         ``floor``), the answer (``device_memory``, ``fits``, ``max_batch``, ``max_batch_basis``,
         ``verdict``), cost (``flops``, ``roofline``, ``tradeoff``), and the caveats (``batch_one_special``,
         ``batch_one_error``, ``batchnorm``, ``unsupported``, ``checkpointed_regions``, ``linear_in_batch``,
-        ``pipeline``), and with ``Training(compile=True)`` the step under torch.compile (``compiled``: its
+        ``pipeline``, ``routing``: the even splits of mixture-of-experts loops, ``code_paths``: the library
+        paths the traced graph took), and with ``Training(compile=True)`` the step under torch.compile (``compiled``: its
         saved bytes and their line, each saved value, its peak and largest batch). A key that does not apply holds None (``fits`` without ``device_memory``, ``peak``
         with ``peak=False``) rather than being left out. fxmem/output/render.py ``to_dict`` builds it.
         """

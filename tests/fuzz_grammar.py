@@ -23,6 +23,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
@@ -31,7 +32,7 @@ from torch import nn
 import fxmem
 from fxmem.measure import materialize
 
-__all__ = ["FuzzCase", "GrammarError", "Mismatch", "check_case", "fuzz_cases", "validate_case"]
+__all__ = ["DATA_DEPENDENT", "FuzzCase", "GrammarError", "Mismatch", "check_case", "fuzz_cases", "validate_case"]
 
 MAX_NUMEL = 1024
 """Largest per-sample element count of any step's output (and of its largest temporary)."""
@@ -930,6 +931,59 @@ def step_convnext(draw, ctx: Ctx, s: State) -> Built | None:
 # Steps for rank 2 as (sequence, embedding).
 
 
+class MoELoop(nn.Module):
+    """A mixture-of-experts layer as an eager loop over its experts (transformers' older Mixtral path:
+    ``one_hot`` mask, ``torch.where`` per expert, ``index_add_``), each token's k experts chosen by hash
+    routing on its position (Roller et al. 2021, "Hash Layers"): ``experts`` divides ``seq * k``, so every
+    expert gets the same rows at every batch and per-node bytes are comparable (Note [Routed sizes])."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, k: int) -> None:
+        super().__init__()
+        self.gate, self.e, self.k = nn.Linear(dim, experts, bias=False), experts, k
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, dim)) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        slots = torch.arange(h.shape[0] * self.k, device=x.device).view(-1, self.k) % self.e
+        weights = F.softmax(self.gate(h), dim=-1).gather(1, slots)
+        mask = F.one_hot(slots, self.e).permute(2, 1, 0)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, expert(h[token]) * weights[token, slot, None])
+        return out.view(x.shape)
+
+
+def step_moe_loop(draw, ctx: Ctx, s: State) -> Built | None:
+    seq, e = s.shape
+    k = _int(draw, 1, 2)
+    experts = _pick(draw, [n for n in (2, 3, 4) if (seq * k) % n == 0] or [1])
+    hidden = _pick(draw, [e, 2 * e])
+    if seq * hidden * k > MAX_NUMEL:
+        return None
+    m = MoELoop(e, hidden, experts, k)
+    return _probe(m, s, f"MoELoop({e}, hidden={hidden}, experts={experts}, top-{k})" + _maybe_freeze(draw, m), inplace_ok=True)
+
+
+class NumpyTimeMask(nn.Module):
+    """SpecAugment-style time masking drawn with numpy from the batch size, as transformers'
+    ``_compute_mask_indices((batch_size, sequence_length), ...)`` does for wav2vec2: no graph holds for
+    every B, so fxmem runs the model whole at each batch (Note [A model that fixes its batch in Python])."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = np.random.default_rng(0).random((x.shape[0], x.shape[1])) < self.p
+        return x.masked_fill(torch.from_numpy(mask).to(x.device).unsqueeze(-1), 0.0)
+
+
+def step_numpy_mask(draw, ctx: Ctx, s: State) -> Built | None:
+    p = _pick(draw, [0.1, 0.5])
+    return _probe(NumpyTimeMask(p), s, f"numpy time mask(p={p})", inplace_ok=False)
+
+
 def step_sdpa(draw, ctx: Ctx, s: State) -> Built | None:
     seq, e = s.shape
     heads, head_dim = _int(draw, 1, 3), _int(draw, 1, 8)
@@ -1234,11 +1288,18 @@ FEATURES: dict[str, Builder | None] = {
 """What ``fuzz_cases(feature=...)`` can guarantee in a model: a step, token inputs, or nothing ('free')."""
 del FEATURES["reuse"]  # it needs an earlier shared module, which the grammar cannot guarantee
 
+DATA_DEPENDENT: dict[str, Builder] = {"moe_loop": step_moe_loop, "numpy_mask": step_numpy_mask}
+"""Issue 39's steps (an eager MoE loop, a numpy batch mask), drawn only as a case's feature, on (sequence,
+embedding) inputs, by their own tests in test_fuzz.py: kept out of ``BY_RANK`` and ``FEATURES`` so that the
+derandomized CI draws of every other feature stay the models they were."""
+
 
 def _kinds_for(feature: str) -> tuple[str, ...]:
     """Input kinds from which ``feature`` applies at the first step."""
     if feature == "tokens":
         return ("tokens",)
+    if feature in DATA_DEPENDENT:
+        return ("seq",)
     builder = FEATURES[feature]
     ranks = [r for r, builders in BY_RANK.items() if builder in builders]
     return tuple(k for r in ranks for k in _KINDS_AT_RANK[r]) if ranks else INPUT_KINDS
@@ -1273,7 +1334,7 @@ def fuzz_cases(  # type: ignore[no-untyped-def]
     """
     dtype = _pick(draw, list(dtypes))
     kind, state = _input_state(draw, _kinds_for(feature))
-    wanted = FEATURES[feature]
+    wanted = DATA_DEPENDENT[feature] if feature in DATA_DEPENDENT else FEATURES[feature]
     input_dims: tuple[int | str, ...] = ("B", *state.shape)
     ctx = Ctx()
     merge = _pick(draw, ["add", "mul", "cat"]) if kind != "tokens" and _chance(draw, 15) else ""

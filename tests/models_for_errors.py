@@ -273,3 +273,60 @@ def returns_dict() -> ModelSpec:
 def returns_dict_with_loss() -> ModelSpec:
     """forward() returns {'logits', 'hidden', 'loss'}: with the model's own loss, 'loss' is it."""
     return ModelSpec(_ReturnsDict(True), ("B,8",))
+
+
+class _Select(nn.Module):
+    """Keeps the rows whose first feature is positive, and special-cases an empty selection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = torch.nonzero(x[:, 0] > 0)
+        if keep.numel() == 0:  # a count only the data fixes
+            return self.lin(x)
+        return self.lin(x[keep[:, 0]])
+
+
+def count_branch() -> ModelSpec:
+    """Branches on how many rows a nonzero selects, inside 'select' (_Select)."""
+    return ModelSpec(nn.Sequential(nn.Linear(8, 8)).append(_Select()), ("B,8",))
+
+
+class _LayerDropStack(nn.Module):
+    """Three layers, each skipped in training with probability ``layerdrop`` (Fan et al. 2019), drawn with
+    torch as transformers' wav2vec2 does, or with numpy as its WavLM does."""
+
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        self.layers, self.layerdrop, self.draw = nn.ModuleList(nn.Linear(8, 8) for _ in range(3)), 0.1, draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        for layer in self.layers:
+            chance = torch.rand([]) if self.draw == "torch" else np.random.random()
+            if self.training and chance < self.layerdrop:
+                continue
+            x = layer(x)
+        return x
+
+
+class _Encoder(nn.Module):
+    def __init__(self, draw: str) -> None:
+        super().__init__()
+        self.encoder = _LayerDropStack(draw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+def layerdrop_torch() -> ModelSpec:
+    """LayerDrop drawn with torch.rand([]) inside 'encoder'."""
+    return ModelSpec(_Encoder("torch"), ("B,8",))
+
+
+def layerdrop_numpy() -> ModelSpec:
+    """LayerDrop drawn with np.random.random() inside 'encoder'."""
+    return ModelSpec(_Encoder("numpy"), ("B,8",))

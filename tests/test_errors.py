@@ -133,9 +133,25 @@ MODELS = [
     pytest.param([f"{M}:linear_8_4", "--input", "B,7"], ["node '_0'", "module '0'", "(B, 7)", "[B, 7] X [8, 4]", "--input shapes"], id="shape-rejected"),
     pytest.param(
         [f"{M}:branchy"],
-        ["cannot trace module 'gate' (_Gate)", "models_for_errors.py:", "if x.sum() > 0", "--leaf _Gate", "torch.where"],
+        # Issue 39: a branch on values leads with the user's line and module; --leaf (which meets the same branch) is not offered.
+        ["branches on a tensor's value at", "models_for_errors.py:96 (if x.sum() > 0", "in module 'gate' (_Gate)", "torch.where(cond, a, b)"],
         id="untraceable",
     ),
+    pytest.param(
+        [f"{M}:count_branch"],
+        ["branches on a count that only the data fixes", "models_for_errors.py:", "if keep.numel() == 0", "in module '1' (_Select)", "torch._check"],
+        id="count-branch",
+    ),
+    # Issue 39: LayerDrop is refused with its cause, its module, the field that turns it off, and why that is the worst case.
+    *[
+        pytest.param(
+            [f"{M}:layerdrop_{draw}"],
+            ["branches on a random number in training at", "in module 'encoder' (_LayerDropStack)", "if self.training and chance < self.layerdrop",
+             "LayerDrop", "Set layerdrop (now 0.1) to 0", "worst case"],
+            id=f"layerdrop-{draw}",
+        )  # fmt: skip
+        for draw in ("torch", "numpy")
+    ],
     # Issue 36: the plain cause first.
     pytest.param(
         [f"{M}:needs_mode"],

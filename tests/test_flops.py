@@ -236,6 +236,16 @@ def test_transformers_grouped_mm_fallback_and_its_backward() -> None:
     assert (forward.flops, backward.flops, forward.has_formula, backward.has_formula) == (4096, 8192, True, True)
 
 
+def test_fxmems_grouped_mm_and_its_backward() -> None:
+    import fxmem.rules.grouped_mm  # noqa: F401 - registers the ops (Note [grouped_mm on fake tensors])
+
+    x, w, offs = torch.randn(16, 8), torch.randn(3, 8, 16), torch.tensor([3, 7, 16], dtype=torch.int32)
+    forward = _cost(torch.ops.fxmem.grouped_mm.default, x, w, offs)
+    # The same product as above: 2 * 16 * 8 * 16 = 4096; the backward, dw = x^T @ dy and dx = dy @ w^T: 8192.
+    backward = _cost(torch.ops.fxmem.grouped_mm_backward.default, torch.randn(16, 16), x, w, offs)
+    assert (forward.flops, backward.flops, forward.has_formula, backward.has_formula) == (4096, 8192, True, True)
+
+
 def _tiny_mixtral() -> nn.Module:
     transformers = pytest.importorskip("transformers", reason="Hugging Face models need the transformers package")
     config = transformers.MixtralConfig(
@@ -265,7 +275,7 @@ def test_mixtral_forward_flops_include_the_experts() -> None:
     for batch in (1, 3):
         timeline = report.timeline(batch)
         flops = flop_count(timeline, batch)
-        experts = sum(c.flops.at(batch) for c in timeline.costs if c.op == "transformers.grouped_mm_fallback")
+        experts = sum(c.flops.at(batch) for c in timeline.costs if c.op == "fxmem.grouped_mm")  # eager's grouped_mm, float32
         assert experts == batch * 8 * 6144
         assert (flops.forward, flops.backward) == (batch * 82944, batch * 2 * 82944)
         assert not {op for op, _ in flops.missing} & set(EXTRA_FORMULAS.keys())

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fuzz_grammar import FEATURES, FuzzCase, GrammarError, check_case, check_peak, fuzz_cases, peak_checkable
+from fuzz_grammar import DATA_DEPENDENT, FEATURES, FuzzCase, GrammarError, check_case, check_peak, fuzz_cases, peak_checkable
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example, HealthCheck.filter_too_much]
 settings.register_profile(
@@ -115,3 +115,31 @@ def test_step_peak_matches_measure_peak() -> None:
 
     peak_matches()
     assert checked >= wanted, f"only {checked} of {wanted} models had a step to check"
+
+
+DATA_DEPENDENT_EXAMPLES = {"fuzz-ci": 12, "fuzz-dev": 6, "fuzz-nightly": 200}
+"""Models per step of DATA_DEPENDENT (issue 39), each checked for saved bytes at its batches and for the step's peak."""
+
+
+@pytest.mark.parametrize("feature", list(DATA_DEPENDENT))
+def test_data_dependent_steps_match_measure(feature: str) -> None:
+    """An eager MoE loop (hash-routed, so every expert's rows are the even split's: Note [Routed sizes]) and a
+    numpy batch mask (the model run whole at each batch): saved bytes per node and in total, and, for float32
+    CPU models, the step's peak, as for every other feature."""
+    profile = os.environ.get("FXMEM_FUZZ_PROFILE", "fuzz-ci")
+    tried = 0
+
+    @settings(settings.get_profile(profile), max_examples=DATA_DEPENDENT_EXAMPLES.get(profile, 12))
+    @given(case=fuzz_cases(feature=feature))
+    def matches(case: FuzzCase) -> None:
+        nonlocal tried
+        tried += 1
+        check_case(case)
+        if peak_checkable(case):
+            try:
+                check_peak(case)
+            except GrammarError:
+                reject()
+
+    matches()
+    assert tried, "hypothesis generated no models"

@@ -29,6 +29,10 @@ from fxmem.rules.onednn_conv_avx2 import (
     _weight_kernel,
     as_2d,
     avx2_backward_marks,
+    avx2_channels_last_backward_marks,
+    avx2_channels_last_forward_marks,
+    avx2_channels_last_grad_output_copy,
+    onednn_avx2_channels_last,
     onednn_avx2_convolution,
 )
 from fxmem.rules.ops import convolution_backward_workspace, convolution_workspace
@@ -489,3 +493,180 @@ def test_step_peak(name: str, first_step: bool) -> None:
     make, inputs, batch = STEP_MODELS[name]
     torch.manual_seed(0)
     assert_step_peak(make(), inputs, batch, loss="sum", first_step=first_step)
+
+
+ChannelsLastCase = tuple[tuple[int, ...], tuple[int, ...], int, int, int, bool]
+"""(input shape, weight shape, stride, padding, groups, forward bias): a channels-last input."""
+
+
+def _channels_last_grid(seed: int = 39) -> Iterator[ChannelsLastCase]:
+    """Fixed-seed ConvNeXt-like channels-last convolutions: depthwise 5x5 and 7x7 "same" (2 to 40
+    channels), and tiled 2x2 and 4x4 (kernel == stride) over 3 to 192 channels, batch 1 to 6."""
+    rng = random.Random(seed)
+    for i in range(60):
+        batch, size = rng.randint(1, 6), rng.randint(7, 14)
+        if i % 2 == 0:
+            c, k = rng.choice((2, 5, 8, 13, 16, 24, 40)), rng.choice((5, 7))
+            yield (batch, c, size, size), (c, 1, k, k), 1, k // 2, c, rng.random() < 0.5
+        else:
+            cin, cout, k = rng.choice((3, 8, 13, 16, 20, 32, 96)), rng.choice((5, 8, 21, 32, 96, 192)), rng.choice((2, 2, 4))
+            size = size // k * k
+            yield (batch, cin, size, size), (cout, cin, k, k), k, 0, 1, rng.random() < 0.5
+
+
+def _channels_last_args(case: ChannelsLastCase) -> tuple[Any, ...]:
+    xs, ws, stride, pad, groups, bias = case
+    x = torch.randn(*xs).to(memory_format=torch.channels_last)
+    return (x, torch.randn(*ws), torch.randn(ws[0]) if bias else None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], groups)
+
+
+def _channels_last_misses(args: tuple[Any, ...], n: int, nthr: int) -> list[str]:
+    """Where Note [CPU oneDNN channels-last convolution buffers on AVX2] and the profiler differ for
+    one convolution: its forward, and its backward under two output masks, grad_output
+    channels-last or not (ATen copies it then)."""
+    x, w, bias, stride, pad, groups = args[0], args[1], args[2], args[3], args[4], args[8]
+    top, y = _high_mark(lambda: torch.ops.aten.convolution(*args))
+    conv = ConvShape.of(x, w, stride, pad, [1, 1], y.shape[2:])
+    rule = highest(x.shape[0], avx2_channels_last_forward_marks(conv, nthr, groups=groups, bias=bias is not None))
+    misses = [] if rule == top - _nbytes(y) else [f"forward: rule {rule}, profiler {top - _nbytes(y)}"]
+    for mask, grad in ((MASKS[n % len(MASKS)], torch.randn_like(y)), (MASKS[(n + 3) % len(MASKS)], torch.randn(y.shape))):
+        bargs = (grad, x, w, [w.shape[0]] if mask[2] else None, *args[3:], list(mask))
+        top, grads = _high_mark(lambda bargs=bargs: torch.ops.aten.convolution_backward(*bargs))
+        marks = avx2_channels_last_backward_marks(conv, nthr, mask, groups=groups)
+        rule, measured = highest(x.shape[0], marks, plus=avx2_channels_last_grad_output_copy(grad)), top - _asked(grads, mask)
+        if rule != measured:
+            layout = "channels-last" if grad.is_contiguous(memory_format=torch.channels_last) else "contiguous"
+            misses.append(f"backward {mask}, {layout} grad_output: rule {rule}, profiler {measured}")
+    return misses
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_channels_last_workspaces_match_the_profiler(threads: int) -> None:
+    """Channels-last depthwise and tiled convolutions (Note [CPU oneDNN channels-last convolution
+    buffers on AVX2]): forward (with and without a bias) and backward (two output masks each) equal
+    the profiler's high mark less the outputs, byte for byte, at 1 and 2 threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    misses, checked = [], 0
+    try:
+        for n, case in enumerate(_channels_last_grid()):
+            args = _channels_last_args(case)
+            if onednn_avx2_channels_last(args[0], args[1], *args[3:]):
+                checked += 1
+                misses += [f"{case} {m}" for m in _channels_last_misses(args, n, threads)]
+    finally:
+        torch.set_num_threads(before)
+    assert checked >= 40, "too few shapes reached the rules"
+    assert not misses, "\n".join(misses)
+
+
+def test_channels_last_figures_by_hand() -> None:
+    """ConvNeXt's two channels-last convolutions in closed form, next to the profiler's, at 1 thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # depthwise 7x7 over 13 channels, weight and bias gradients: the gradient with each group
+        # padded to an 8 x 8 block, 13 * 64 * 49 * 4 = 163072, its padded bias 13 * 8 * 4 + 128 = 544
+        # beside ideep's bias (52), then two copies of w (2548) and two biases at the top; less the
+        # returned w and bias
+        args = _channels_last_args(((2, 13, 8, 8), (13, 1, 7, 7), 1, 3, 13, False))
+        bargs = (torch.randn(2, 13, 8, 8).to(memory_format=torch.channels_last), args[0], args[1], [13], *args[3:], [False, True, True])
+        top, grads = _high_mark(lambda: torch.ops.aten.convolution_backward(*bargs))
+        by_hand = 163072 + 2 * 2548 + 2 * 52 - 2548 - 52
+        assert top - _asked(grads, (False, True, True)) == by_hand
+        conv = ConvShape.of(args[0], args[1], [1, 1], [3, 3], [1, 1], (8, 8))
+        assert highest(2, avx2_channels_last_backward_marks(conv, 1, (False, True, True), groups=13)) == by_hand
+        # 2x2 downsampling, 16 -> 32 channels on 2x16x8x8: the channels-last weight copy 8192, the
+        # Acdb32a weights 4 * 16 * 32 * 4 = 8192, a page of batch descriptors (103 * 40 = 4120) and a
+        # page of alignment
+        args = _channels_last_args(((2, 16, 8, 8), (32, 16, 2, 2), 2, 0, 1, True))
+        top, y = _high_mark(lambda: torch.ops.aten.convolution(*args))
+        conv = ConvShape.of(args[0], args[1], [2, 2], [0, 0], [1, 1], (4, 4))
+        by_hand = 8192 + 8192 + 4120 + 4096
+        assert top - _nbytes(y) == highest(2, avx2_channels_last_forward_marks(conv, 1, bias=True)) == by_hand
+    finally:
+        torch.set_num_threads(before)
+
+
+CHANNELS_LAST_NOT_DESCRIBED: list[ChannelsLastCase] = [
+    ((4, 16, 12, 12), (16, 1, 3, 3), 1, 1, 16, False),  # depthwise 3x3: jit_dw's NHWC weight split, not ported
+    ((4, 3, 12, 12), (3, 1, 7, 7), 1, 3, 3, False),  # 3 groups: GEMM weight gradient
+    ((4, 16, 6, 6), (16, 1, 7, 7), 1, 3, 16, False),  # a kernel taller than the input: GEMM
+    ((4, 16, 12, 12), (16, 1, 7, 7), 2, 3, 16, False),  # strided depthwise
+    ((4, 40, 8, 8), (80, 40, 2, 2), 2, 0, 1, False),  # 80 outputs: brgemm's block (16 or 24) varies
+    ((4, 16, 12, 12), (32, 16, 3, 3), 2, 1, 1, False),  # overlapping taps
+]
+
+
+@pytest.mark.parametrize("case", CHANNELS_LAST_NOT_DESCRIBED)
+def test_undescribed_channels_last_convolutions_get_no_rule(case: ChannelsLastCase) -> None:
+    args = _channels_last_args(case)
+    assert _onednn(args)
+    assert not onednn_avx2_channels_last(args[0], args[1], *args[3:])
+
+
+class _LayerNorm2d(nn.LayerNorm):
+    """torchvision's: LayerNorm over the channels of an NCHW tensor, by permuting (so its output is
+    channels-last in memory)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+
+
+class _Permute(nn.Module):
+    def __init__(self, dims: list[int]) -> None:
+        super().__init__()
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(*self.dims)
+
+
+class _CNBlock(nn.Module):
+    """torchvision's ConvNeXt block: depthwise 7x7, channels-last LayerNorm, 4x MLP, layer scale (no
+    stochastic depth: the identity at p = 0)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(dim, dim, 7, padding=3, groups=dim),
+            _Permute([0, 2, 3, 1]),
+            nn.LayerNorm(dim, eps=1e-6),
+            nn.Linear(dim, 4 * dim),
+            nn.GELU(),
+            nn.Linear(4 * dim, dim),
+            _Permute([0, 3, 1, 2]),
+        )
+        self.layer_scale = nn.Parameter(torch.full((dim, 1, 1), 1e-6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.layer_scale * self.block(x)
+        result += x
+        return result
+
+
+def _convnext(dims: tuple[int, ...] = (16, 32)) -> nn.Module:
+    """A small torchvision ConvNeXt-T: 4x4 stride-4 stem and LayerNorm2d, one block a stage,
+    LayerNorm2d and a 2x2 stride-2 conv between stages, pooled LayerNorm2d and Linear head."""
+    layers: list[nn.Module] = [nn.Conv2d(3, dims[0], 4, 4), _LayerNorm2d(dims[0], eps=1e-6)]
+    for i, dim in enumerate(dims):
+        layers.append(_CNBlock(dim))
+        if i + 1 < len(dims):
+            layers += [_LayerNorm2d(dim, eps=1e-6), nn.Conv2d(dim, dims[i + 1], 2, 2)]
+    head = [nn.AdaptiveAvgPool2d(1), _LayerNorm2d(dims[-1], eps=1e-6), nn.Flatten(1), nn.Linear(dims[-1], 10)]
+    return nn.Sequential(*layers, *head)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("batch", [2, 3])
+def test_convnext_step_peak(batch: int, threads: int) -> None:
+    """A ConvNeXt-like AdamW step: its depthwise 7x7 and 2x2 downsampling convolutions read
+    channels-last inputs (LayerNorm2d's permutes); 17.8% (B = 2) and 3.7% (B = 3) low before the
+    channels-last rules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        assert_step_peak(_convnext(), ["B,3,32,32"], batch, loss="sum", first_step=False)
+    finally:
+        torch.set_num_threads(before)

@@ -22,10 +22,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import fxmem
 from fxmem.engine.losses import Loss
 from fxmem.gpu.target import CudaTargetMode
 from fxmem.results import Timeline
@@ -34,6 +36,7 @@ from fxmem.rules.optimizers import OptimizerRule
 from fxmem.rules.sdpa import SdpBackend, choose_sdp_backend
 from fxmem.rules.sdpa_buffers import cudnn_attention_backward_workspace, efficient_attention_backward_workspace
 from tests.h200_traces import H200, Marks, load, lone_graph, simulate_on_h200, timeline_marks, trace_marks
+from tests import helpers
 
 A100 = (8, 0)
 MEASURED = (2, 11)
@@ -331,3 +334,156 @@ def test_math_path_saves_what_the_composite_saves(case: Case) -> None:
         composite = torch.ops.aten._scaled_dot_product_attention_math
         want = _saved_during(lambda: composite(q, k, v, mask, 0.0, case.mask == "causal", None, enable_gqa=True))
     assert got == want
+
+
+# --- an attention bias that requires grad (Note [An attention bias that requires grad]) -----------------
+
+
+def _bias_choice(dtype: torch.dtype, bias: torch.Tensor, version: tuple[int, int] = MEASURED) -> SdpBackend:
+    """The backend for q, k, v (2, 4, 100, 64) of ``dtype`` with ``bias`` as the mask, on the H200."""
+    q = torch.empty(2, 4, 100, 64, dtype=dtype, device="meta", requires_grad=True)
+    kw: dict[str, Any] = {"dropout_p": 0.0, "is_causal": False, "enable_gqa": False, "capability": H200, "version": version}
+    return choose_sdp_backend(q, q, q, attn_mask=bias, **kw)
+
+
+def _t5_bias(dtype: torch.dtype, grad: bool = True) -> torch.Tensor:
+    """T5's relative position bias: a (S, S, H) embedding lookup permuted to (1, H, S, S), last stride H = 4."""
+    return torch.empty(100, 100, 4, dtype=dtype, device="meta", requires_grad=grad).permute(2, 0, 1).unsqueeze(0)
+
+
+@pytest.mark.parametrize("version", [MEASURED, (2, 13)], ids=str)
+def test_a_bias_that_requires_grad_leaves_cudnn(version: tuple[int, int]) -> None:
+    # check_attn_mask_shape refuses a mask that requires grad; flash takes no mask; memory-efficient takes
+    # it when its last stride is 1 (check_last_dim_stride_equals_1_dense), else math
+    for dtype in (torch.bfloat16, torch.float16):
+        contiguous = _t5_bias(dtype).contiguous()
+        assert _bias_choice(dtype, contiguous.detach(), version) == SdpBackend.CUDNN  # untrained, as the H200 took a float mask
+        assert _bias_choice(dtype, contiguous, version) == SdpBackend.EFFICIENT
+    for dtype in (torch.float32, torch.bfloat16):
+        assert _t5_bias(dtype).stride(-1) == 4
+        assert _bias_choice(dtype, _t5_bias(dtype), version) == SdpBackend.MATH
+        assert _bias_choice(dtype, _t5_bias(dtype, grad=False), version) == SdpBackend.MATH  # the stride alone decides
+    assert _bias_choice(torch.float32, _t5_bias(torch.float32).contiguous(), version) == SdpBackend.EFFICIENT
+    # the check reads requires_grad, not the grad mode: a trained leaf bias stays off cuDNN under no_grad
+    leaf = nn.Parameter(torch.empty(1, 4, 100, 100, dtype=torch.bfloat16, device="meta"))
+    with torch.no_grad():
+        assert _bias_choice(torch.bfloat16, leaf, version) == SdpBackend.EFFICIENT
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The outputs (shape, storage bytes) of each call of ``op`` while active."""
+
+    def __init__(self, op: Any) -> None:
+        super().__init__()
+        self.op = op
+        self.outputs: list[list[tuple[tuple[int, ...], int] | None]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func == self.op:
+            self.outputs.append([(tuple(t.shape), t.untyped_storage().nbytes()) if t is not None else None for t in out])
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_efficient_keeps_a_trained_bias_and_returns_its_full_gradient(dtype: torch.dtype) -> None:
+    # q, k, v (2, 8, 256, 64) and a float mask (2, 1, 256, 256) that requires grad: the kernel records'
+    # fp32 float-mask case with the mask trained
+    case = Case(str(dtype).removeprefix("torch."), 64, "float", (8, 8), 0.0)
+    assert case.backend() == (SdpBackend.EFFICIENT if dtype == torch.float32 else SdpBackend.CUDNN)  # untrained, as measured
+    size = dtype.itemsize
+    with FakeTensorMode():
+        q, k, v, mask = case.tensors()
+        assert mask is not None
+        mask.requires_grad_()
+        seen = {StorageWeakRef(t.untyped_storage()) for t in (q, k, v, mask)}
+        kept: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if StorageWeakRef(t.untyped_storage()) not in seen:
+                seen.add(StorageWeakRef(t.untyped_storage()))
+                kept.append(t.untyped_storage().nbytes())
+            return t
+
+        recorder = _Recorder(torch.ops.aten._scaled_dot_product_efficient_attention_backward.default)
+        with CudaTargetMode(compute_capability=H200, release=MEASURED):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = case.attend(q, k, v, mask)
+            assert type(out.grad_fn).__name__ == "ScaledDotProductEfficientAttentionBackward0"
+            with recorder:
+                out.backward(torch.ones_like(out))
+        assert mask.grad is not None and mask.grad.shape == mask.shape
+    # the mask's strides (65536, 65536, 256, 1) are multiples of 8: no padding, the saved bias is the mask's
+    # own storage; besides it and q, k, v: the output 2*8*256*64 elements, the fp32 log-sum-exp 2*8*256
+    # (256 a multiple of 32) and the int64 seed and offset
+    assert sum(kept) == 2 * 8 * 256 * 64 * size + 2 * 8 * 256 * 4 + 2 * 8
+    if dtype == torch.float32:
+        assert sum(kept) == 1064976  # kernels_h200.json.gz, float32 d64 float 8/8 p0: the same list, mask untrained
+    # the backward's grad_bias: the expanded (B, H, L, S) = (2, 8, 256, 256), 256 already a multiple of 16,
+    # 8 times the (2, 1, 256, 256) mask it is summed into
+    (outputs,) = recorder.outputs
+    assert outputs[3] == ((2, 8, 256, 256), 2 * 8 * 256 * 256 * size)
+
+
+class _T5Attention(nn.Module):
+    """One self-attention layer with a T5 relative position bias: 4 heads of 64 over S = 100, the bias an
+    nn.Embedding of 32 buckets looked up per (query, key) pair, (S, S, H) permuted to (1, H, S, S) (last
+    stride H), or made contiguous, and added as ``attn_mask``."""
+
+    def __init__(self, contiguous: bool) -> None:
+        super().__init__()
+        self.contiguous = contiguous
+        self.qkv, self.o, self.rel = nn.Linear(256, 768), nn.Linear(256, 256), nn.Embedding(32, 4)
+        pos = torch.arange(100)
+        self.register_buffer("buckets", (pos[None, :] - pos[:, None]).clamp(-16, 15) + 16, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 64).permute(2, 0, 3, 1, 4)
+        bias = self.rel(self.buckets).permute(2, 0, 1).unsqueeze(0)
+        bias = bias.contiguous() if self.contiguous else bias
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o(y.transpose(1, 2).reshape(b, s, d))
+
+
+_H, _S, _D = 4, 100, 64
+_T5_SAVED = {
+    # contiguous bias: memory-efficient. qkv: q, k and v are views of the linear's output, S*768 per sample.
+    # SDPA: the output H*S*D, the fp32 log-sum-exp H*ceil(S/32)*32, and the bias (1, H, S, S) padded to a
+    # last dim of 104 (strides 10000 and 100 are no multiples of 8), once for every batch. o: its input is a
+    # view of the SDPA output.
+    ("contiguous", None): {
+        "qkv": (_S * 768 * 4, 0),
+        "scaled_dot_product_attention": (_H * _S * _D * 4 + _H * 128 * 4, _H * _S * 104 * 4),
+    },
+    # bf16 autocast: qkv keeps its bf16 input (S*256) and output; o keeps its bf16 weight (256*256)
+    ("contiguous", "bf16"): {
+        "qkv": (_S * 256 * 2 + _S * 768 * 2, 0),
+        "scaled_dot_product_attention": (_H * _S * _D * 2 + _H * 128 * 4, _H * _S * 104 * 2),
+        "o": (0, 256 * 256 * 2),
+    },
+    # permuted bias: math, in fp32 also under autocast. SDPA: scaled q and k^T and v, each copied to
+    # (B*H, ., .) for the batched matmuls, and the softmax (H, S, S); the in-place add of the bias saves
+    # nothing. reshape: the output (B, H, S, D) transposed to (B, S, H*D) is copied for o.
+    ("permuted", None): {
+        "scaled_dot_product_attention": (3 * _H * _S * _D * 4 + _H * _S * _S * 4, 0),
+        "reshape": (_S * 256 * 4, 0),
+    },
+    ("permuted", "bf16"): {
+        "qkv": (_S * 256 * 2, 0),
+        "scaled_dot_product_attention": (3 * _H * _S * _D * 4 + _H * _S * _S * 4, 0),
+        "reshape": (_S * 256 * 2, 0),
+        "o": (0, 256 * 256 * 2),
+    },
+}
+
+
+@pytest.mark.parametrize(("layout", "amp"), list(_T5_SAVED), ids=str)
+def test_t5_relative_bias_saved_bytes(layout: str, amp: str | None) -> None:
+    report = fxmem.analyze(_T5Attention(layout == "contiguous"), ["B,100,256"], batch=2, precision=None, amp=amp)  # H100, cuda
+    assert helpers.saved(report) == _T5_SAVED[(layout, amp)]
+    if (layout, amp) == ("contiguous", None):
+        # the backward's grad_bias: (B, H, S, S) with S rounded up to 112, for a bias of one batch
+        backward = "aten._scaled_dot_product_efficient_attention_backward"
+        grads = [e.nbytes.at(2, None) for e in report.timeline(2).events if e.alloc and e.op == backward]
+        assert grads.count(2 * _H * _S * 112 * 4) == 1

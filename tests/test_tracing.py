@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,3 +65,51 @@ class Recurrent(nn.Module):
 def test_unpacking_a_tuple_is_unchanged() -> None:
     report = fxmem.analyze(Recurrent(), ["B,5,6"], loss="sum", target="cpu")
     assert_matches_measurement(report, Recurrent, ["B,5,6"], "sum", batches=(1, 3))
+
+
+class _NumpyTimeMask(nn.Module):
+    """SpecAugment-style masking drawn with numpy from the batch size (transformers' ``_compute_mask_indices``):
+    torch.fx cannot take the proxy, torch.export fixes B to the example's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.out = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        h = self.proj(x)
+        mask = np.random.default_rng(0).random((h.shape[0], h.shape[1])) < 0.3
+        # torch.tensor copies the mask into torch's allocator, as wav2vec2 does; torch.from_numpy would share
+        # numpy's memory, which the profiler never sees and fxmem counts (the fuzzer's mask: within its 64 bytes)
+        return self.out(h.masked_fill(torch.tensor(mask).unsqueeze(-1), 0.0).relu())
+
+
+def test_a_model_that_fixes_its_batch_in_numpy_runs_whole_at_each_batch() -> None:
+    """Note [A model that fixes its batch in Python]: the figures at each batch are a real step's."""
+    from fxmem.frontends.tracing import WHOLE_MODEL
+
+    report = fxmem.analyze(_NumpyTimeMask(), ["B,6,8"], batch=3, target="cpu")
+    assert report.frontend == WHOLE_MODEL and report.accounting.method == "concrete"
+    assert "ran whole, as one operation, at each batch" in str(report)
+    for batch in (3, 5):
+        assert report.activation_bytes(batch) == fxmem.measure(_NumpyTimeMask(), ["B,6,8"], batch).total
+        assert report.peak(batch).bytes == fxmem.measure_peak(_NumpyTimeMask(), ["B,6,8"], batch).bytes
+
+
+def test_wav2vec2s_time_mask_runs_whole() -> None:
+    """wav2vec2's ``mask_time_prob`` (SpecAugment in training, numpy from the batch size), built on the meta
+    device, where its ``masked_spec_embed`` alone is a CPU tensor (the legacy ``torch.Tensor(n)``)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+        conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, layerdrop=0.0, mask_time_prob=0.05,
+        mask_time_length=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        meta = transformers.Wav2Vec2Model(config)
+    report = fxmem.analyze(meta, ["input_values=B,1600"], batch=2, target="cpu")
+    torch.manual_seed(0)
+    real = transformers.Wav2Vec2Model(config)
+    assert report.activation_bytes(2) == fxmem.measure(real, ["input_values=B,1600"], 2).total
+    assert report.peak(2).bytes == fxmem.measure_peak(real, ["input_values=B,1600"], 2).bytes

@@ -40,8 +40,10 @@ experts (transformers/integrations/moe.py, ``grouped_mm_experts_forward``) sort 
 offs)``, torch's grouped GEMM (``offs[g]`` is the row where group g ends), or, where that kernel cannot
 run (traced or exported with weights not in bf16, among others: ``_can_use_grouped_mm``), transformers'
 custom op ``transformers.grouped_mm_fallback``, a loop of ``mm``s whose backward is the custom op
-``transformers.grouped_mm_fallback_backward``. torch 2.13's ``flop_registry`` has a formula for none
-of them, so without ours the experts, most of an MoE model's FLOPs, would count zero.
+``transformers.grouped_mm_fallback_backward``. fxmem's traces take the eager kernel, as
+``fxmem.grouped_mm`` where the meta kernel refuses the dtype (Note [grouped_mm on fake tensors] in
+fxmem/rules/grouped_mm.py), with ``fxmem.grouped_mm_backward``. torch 2.13's ``flop_registry`` has a
+formula for none of them, so without ours the experts, most of an MoE model's FLOPs, would count zero.
 
 Group g costs ``2 * m_g * K * N`` for its ``m_g`` rows. The groups partition the rows (sum of m_g =
 M), so the call costs ``2 * M * K * N`` whatever the routing: the count is exact although ``offs``
@@ -110,7 +112,7 @@ def _register(*names: str) -> Callable[[Callable[..., Count]], Callable[..., Cou
     return register
 
 
-@_register("aten._grouped_mm", "transformers.grouped_mm_fallback")
+@_register("aten._grouped_mm", "transformers.grouped_mm_fallback", "fxmem.grouped_mm")
 def _grouped_mm_flop(a_shape: Shape, b_shape: Shape, *args: Any, out_shape: Shape, **kwargs: Any) -> Count:
     """2 * M * K * N for ``a`` [M, K] grouped over ``b`` [G, K, N] (the MoE layout), whatever ``offs``
     says; see Note [Grouped matmuls]. A 2D x 2D call splits the contraction instead: its output [G, M, N]
@@ -124,6 +126,14 @@ def _grouped_mm_flop(a_shape: Shape, b_shape: Shape, *args: Any, out_shape: Shap
 @_register("transformers.grouped_mm_fallback_backward")
 def _grouped_mm_fallback_backward_flop(x_shape: Shape, w_shape: Shape, offs_shape: Shape, dy_shape: Shape, **kwargs: Any) -> Count:
     """``dx = dy @ w^T`` and ``dw = x^T @ dy`` per group, each 2 * M * K * N in all (Note [Grouped matmuls])."""
+    m, k = x_shape
+    return 2 * (2 * m * k * w_shape[-1])
+
+
+@_register("fxmem.grouped_mm_backward")
+def _fxmem_grouped_mm_backward_flop(dy_shape: Shape, x_shape: Shape, w_shape: Shape, offs_shape: Shape, **kwargs: Any) -> Count:
+    """Eager's ``_grouped_mm`` backward as ``fxmem::grouped_mm`` runs it (Note [grouped_mm on fake tensors] in
+    fxmem/rules/grouped_mm.py): the weight's and the input's gradients, each 2 * M * K * N."""
     m, k = x_shape
     return 2 * (2 * m * k * w_shape[-1])
 

@@ -11,7 +11,10 @@ Note [Cleaning an exported graph for re-execution]
     model on the CPU's kernels]) leaves device arguments in the graph that say ``meta``; they become
     ``cpu``, the device the capture stage fakes. ``_assert_tensor_metadata`` checks and the
     ``_guards_fn`` submodule re-check the export-time example inputs; they are dropped, since capture
-    feeds its own symbolic or concrete batch.
+    feeds its own symbolic or concrete batch. So are the runtime asserts on data-dependent sizes
+    (``_assert_scalar`` of ``u0 >= 16``): export derives them from the example batch's range (B >= 2),
+    and each pass tells its own ShapeEnv the routed counts again (Note [Routed sizes] in
+    fxmem/rules/routing.py), where B=1 gives ``u0 == 8``.
 
 Note [Exporting a meta model on the CPU's kernels]
     What a graph records depends on the strides its ops return at export time, and those depend on
@@ -47,6 +50,7 @@ Note [Exporting the eager step's code paths]
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import re
@@ -64,7 +68,10 @@ from fxmem.errors import TraceError
 from fxmem.frontends.checkpointing import attach_exported_regions, tagging_checkpoints
 from fxmem.frontends.hf_paths import eager_code_paths, forward_input_names, has_eager_code_paths
 from fxmem.frontends.huggingface import prepared_for_training
+from fxmem.frontends.python_scopes import ExportLocals, name_exported_holds
+from fxmem.frontends.random_structure import RandomStructure, watching_random_decisions
 from fxmem.inputs import Constant, InputSpec
+from fxmem.rules.routing import RoutedSizes
 
 __all__ = ["export_model", "export_reason"]
 
@@ -76,7 +83,10 @@ _EXAMPLE_SEQ = 16
 
 def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "model") -> fx.GraphModule:
     """Export ``model`` with the batch axis of every input as one dynamic ``Dim``; clean the graph."""
-    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    # Any meta tensor makes the model a meta one: transformers' wav2vec2 builds ``masked_spec_embed`` with the
+    # legacy ``torch.Tensor(n)``, which ignores the meta device the rest of the model is built on.
+    tensors = [*model.parameters(), *model.buffers()]
+    device = torch.device("meta") if any(t.is_meta for t in tensors) else next((t.device for t in tensors), torch.device("cpu"))
     dims = {"B": torch.export.Dim("batch"), "S": torch.export.Dim("seq")}
     try:
         with _muted():  # export prints graph dumps on some failures; fxmem never prints from the library
@@ -84,14 +94,18 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
                 exported = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, dims), device)
             except Exception as e:
                 bounded = _suggested_dims(str(e), dims)
-                if bounded is None:
+                if bounded is None or _BATCH_FIXED in str(e):
                     raise
                 exported = _export_first_that_works(model, specs, _dynamic_shapes(model, specs, bounded), device)
     except Exception as e:
+        random_draw = next((c for c in _causes(e) if isinstance(c, RandomStructure)), None)
+        if random_draw is not None:
+            raise random_draw.for_model(name, model) from None
         raise _export_error(name, model, e) from e
     program, checkpoints = exported
     gm = program.module()
     _clean(gm)
+    name_exported_holds(gm.graph)  # Note [Python locals on an exported graph] in python_scopes.py
     lost = attach_exported_regions(gm, checkpoints)  # See Note [Checkpointed regions]
     if lost:
         raise TraceError(
@@ -103,6 +117,9 @@ def export_model(model: nn.Module, specs: Sequence[InputSpec], *, name: str = "m
         )
     return gm
 
+
+_BATCH_FIXED = "Constraints violated (batch)"
+"""torch.export's words for a batch the model's code fixed (Note [A model that fixes its batch in Python] in tracing.py)."""
 
 _SUGGESTION = re.compile(r"(\w+) = Dim\('(\w+)'((?:, (?:min|max)=\d+)*)\)")
 
@@ -134,11 +151,21 @@ def _export_first_that_works(model: nn.Module, specs: Sequence[InputSpec], dynam
     """See Note [Exporting the eager step's code paths]: the most faithful export that succeeds; the last one's error."""
     on_cpu, eager_paths = device.type == "meta", has_eager_code_paths()
     attempts = list(dict.fromkeys([(on_cpu, eager_paths), (on_cpu, False), (False, False)]))  # distinct ones, in order
+    first: Exception | None = None
     for cpu, eager in attempts[:-1]:
-        with contextlib.suppress(Exception):  # any failure: the next, less faithful attempt
+        try:
             return _export(model, specs, dynamic, device, on_cpu=cpu, eager_paths=eager)
+        except Exception as e:  # any failure: the next, less faithful attempt
+            first = first or e
     cpu, eager = attempts[-1]
-    return _export(model, specs, dynamic, device, on_cpu=cpu, eager_paths=eager)
+    try:
+        return _export(model, specs, dynamic, device, on_cpu=cpu, eager_paths=eager)
+    except Exception as last:
+        # A batch fixed by the model's code is the model's own cause; a later attempt's failure on the
+        # meta device would hide it (Note [A model that fixes its batch in Python] in tracing.py).
+        if first is not None and _BATCH_FIXED in str(first):
+            raise first from None
+        raise last from None
 
 
 def _export(
@@ -153,6 +180,7 @@ def _export(
         if eager_paths:
             stack.enter_context(eager_code_paths(forward_input_names(model, specs)))
         stack.enter_context(_symbolic_len(model))
+        stack.enter_context(_watched_forward(model))
         args = tuple(_example(s, device) for s in specs if s.name is None)
         kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
         with tagging_checkpoints() as checkpoints:
@@ -168,6 +196,37 @@ def _export(
 #     no ``len`` of its own sees one that returns a tensor's first size as it is, a SymInt, which
 #     torch.arange and every other tensor factory take; where the caller needs a Python int
 #     (``range(len(t))``) the SymInt guards as len() did, so nothing traces that did not before.
+
+
+@contextlib.contextmanager
+def _watched_forward(model: nn.Module) -> Iterator[None]:
+    """While exporting, the model's forward runs under three function modes: ``ExportLocals`` records the
+    Python locals that keep traced values alive (Note [Python locals on an exported graph] in
+    python_scopes.py), ``RoutedSizes`` tells the ShapeEnv the counts of mixture-of-experts routing (Note
+    [Routed sizes] in fxmem/rules/routing.py), and random decisions are refused (Note [Random structure]
+    in random_structure.py).
+
+    Inside forward, not around ``torch.export.export``: export's own function modes, pushed after any
+    mode entered outside, take the user's calls first and never hand them down. The locals are read from
+    this wrapper's frame on: the frames above it are export's and the caller's, which eager does not have."""
+    forward, own = model.forward, model.__dict__.get("forward")
+
+    @functools.wraps(forward)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        recorder = ExportLocals(sys._getframe())
+        with recorder, RoutedSizes(record=False), watching_random_decisions():
+            out = forward(*args, **kwargs)
+        recorder.close()
+        return out
+
+    model.forward = watched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own  # type: ignore[method-assign]
 
 
 def _len(value: Any) -> Any:
@@ -275,7 +334,7 @@ def _clean(gm: fx.GraphModule) -> None:
     meta, cpu = torch.device("meta"), torch.device("cpu")
     to_cpu = lambda a: cpu if isinstance(a, torch.device) and a == meta else a
     for n in list(gm.graph.nodes):
-        if (n.op == "call_module" and str(n.target).startswith("_guards")) or n.target is torch.ops.aten._assert_tensor_metadata.default:
+        if (n.op == "call_module" and str(n.target).startswith("_guards")) or n.target is torch.ops.aten._assert_tensor_metadata.default or _unbacked_assert(n):
             gm.graph.erase_node(n)
             continue
         n.args, n.kwargs = map_aggregate(n.args, to_cpu), map_aggregate(n.kwargs, to_cpu)
@@ -283,6 +342,11 @@ def _clean(gm: fx.GraphModule) -> None:
     output.args = map_aggregate(output.args, _before_noop_cast)
     gm.graph.lint()
     gm.recompile()
+
+
+def _unbacked_assert(n: fx.Node) -> bool:
+    """A runtime assert on a data-dependent size (``u0 >= 16``); see Note [Cleaning an exported graph for re-execution]."""
+    return n.target is torch.ops.aten._assert_scalar.default and bool(re.search(r"\bu\d+\b", str(n.args[1:])))
 
 
 _CASTS = (torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout)
@@ -296,6 +360,15 @@ def _before_noop_cast(a: Any) -> Any:
     before, after = a.args[0].meta.get("val"), a.meta.get("val")
     same = isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype
     return a.args[0] if same and not a.kwargs.get("copy", False) else a
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """``e`` and what caused it, outermost first."""
+    seen: list[BaseException] = []
+    while e is not None and all(e is not c for c in seen):
+        seen.append(e)
+        yield e
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
 
 
 def _export_error(name: str, model: nn.Module, e: Exception) -> TraceError:

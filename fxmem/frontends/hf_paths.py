@@ -21,6 +21,13 @@ Note [Eager code paths under torch.export]
       reads the position ids; when the inputs do not name ``position_ids``, the model makes them
       itself with ``arange`` (one sequence per row), where eager's answer is always "no" (``None``).
 
+    - ``integrations.moe._can_use_grouped_mm`` (may a mixture-of-experts layer run ``grouped_mm``?):
+      under torch.compile or export it answers no for weights other than bfloat16, and the layer takes
+      transformers' ``grouped_mm_fallback`` custom op, which keeps its offsets as a Python attribute
+      where the eager ``grouped_mm`` saves them (16 bytes per layer for 4 experts, which the fallback
+      path left out). Its checks read dtypes, devices and versions, never values, so it is decided with
+      the tracing checks answering "not tracing"; the report names the path taken (``code_paths_taken``).
+
     Every patch is skipped when the installed transformers lacks the function (other versions decide
     elsewhere), and everything is restored when the export returns. When a model's eager decision
     depends on a symbolic length (a sliding window shorter than some S), export rejects the guard; the
@@ -30,6 +37,7 @@ Note [Eager code paths under torch.export]
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import sys
@@ -39,8 +47,9 @@ from typing import Any
 import torch
 
 from fxmem.inputs import InputSpec
+from fxmem.rules.grouped_mm import eager_grouped_mm
 
-__all__ = ["eager_code_paths", "forward_input_names", "has_eager_code_paths"]
+__all__ = ["code_paths_taken", "eager_code_paths", "forward_input_names", "has_eager_code_paths"]
 
 _SKIP_DECISIONS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 _TRACING_CHECKS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling", "is_tracing")
@@ -74,14 +83,50 @@ def eager_code_paths(input_names: Collection[str]) -> Iterator[None]:
             patches[name] = _decided_as_in_eager(masking, original)
     if "position_ids" not in input_names and callable(getattr(masking, "find_packed_sequence_indices", None)):
         patches["find_packed_sequence_indices"] = _no_packed_sequences
-    saved = {name: getattr(masking, name) for name in patches}
+    targets = [(masking, name, patch) for name, patch in patches.items()]
+    moe = sys.modules.get("transformers.integrations.moe")
+    if callable(getattr(moe, "_can_use_grouped_mm", None)):
+        targets.append((moe, "_can_use_grouped_mm", _grouped_mm_as_in_eager(moe, moe._can_use_grouped_mm)))  # type: ignore[union-attr]
+        if callable(getattr(torch.nn.functional, "grouped_mm", None)):  # Note [grouped_mm on fake tensors]
+            targets.append((torch.nn.functional, "grouped_mm", eager_grouped_mm(torch.nn.functional.grouped_mm)))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     try:
-        for name, patch in patches.items():
-            setattr(masking, name, patch)
+        for owner, name, patch in targets:
+            setattr(owner, name, patch)
         yield
     finally:
-        for name, original in saved.items():
-            setattr(masking, name, original)
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+_TAKEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxmem_code_paths", default=None)
+
+
+@contextlib.contextmanager
+def code_paths_taken() -> Iterator[set[str]]:
+    """Collect, in words, the code paths Note [Eager code paths under torch.export] chose for the report."""
+    taken: set[str] = set()
+    token = _TAKEN.set(taken)
+    try:
+        yield taken
+    finally:
+        _TAKEN.reset(token)
+
+
+def _grouped_mm_as_in_eager(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_can_use_grouped_mm`` answered as in an eager step; the answer is recorded for the report."""
+
+    @functools.wraps(original)
+    def decide(*args: Any, **kwargs: Any) -> Any:
+        with _not_tracing(module):
+            eager = original(*args, **kwargs)
+        taken = _TAKEN.get()
+        if taken is not None:
+            kernel = "torch.nn.functional.grouped_mm" if eager else "transformers' grouped_mm_fallback loop"
+            taken.add(f"transformers' experts ran {kernel}, as an eager step does on this device and dtype")
+        return eager
+
+    return decide
 
 
 def _decided_as_in_eager(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:

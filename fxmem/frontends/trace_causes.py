@@ -10,6 +10,7 @@ model's own ``assert`` (``assert x.shape[1] == 3, "expects RGB"``). ``plain_caus
 from __future__ import annotations
 
 import ast
+import re
 import inspect
 import sysconfig
 import traceback
@@ -22,7 +23,7 @@ from torch import nn
 from fxmem.errors import TraceError
 from fxmem.inputs import InputSpec
 
-__all__ = ["SourceLine", "fx_assert_error", "missing_argument_error", "plain_cause", "source_line"]
+__all__ = ["SourceLine", "data_dependent_error", "fixes_the_batch", "fx_assert_error", "missing_argument_error", "plain_cause", "source_line"]
 
 
 def plain_cause(error: TraceError, model: nn.Module, specs: Sequence[InputSpec], name: str) -> TraceError | None:
@@ -171,3 +172,50 @@ def source_line(e: BaseException) -> SourceLine | None:
         return None
     f = frames[-1]
     return SourceLine(f"{f.filename}:{f.lineno}", (f.line or "").strip())
+
+
+def fixes_the_batch(error: BaseException) -> bool:
+    """True where torch.export failed because the model fixed the batch to the example's size
+    (Note [A model that fixes its batch in Python] in tracing.py)."""
+    return any("Constraints violated (batch)" in str(e) for e in _chain(error))  # exporting.py's _BATCH_FIXED
+
+
+def data_dependent_error(error: BaseException, name: str, model: nn.Module | None = None) -> TraceError | None:
+    """A branch on tensor values, told from the user's line; None for other failures.
+
+    torch.export's words ("Could not guard on data-dependent expression Eq(u0, 0)") name a symbol the
+    user never wrote; the line that branched, its module, and what to do come first. ``--leaf`` is not
+    offered: a leaf module runs on the same fake tensors and meets the same branch.
+    """
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    guard = next((e for e in _chain(error) if isinstance(e, GuardOnDataDependentSymNode)), None)
+    if guard is None:
+        return None
+    line = source_line(guard)
+    where = f" at {line.where} ({line.text})" if line is not None else ""
+    owner = _user_self(guard)
+    path = next((p for p, m in model.named_modules() if m is owner), None) if model is not None and owner is not None else None
+    module = f" in module '{path or '(top level)'}' ({type(owner).__name__})" if path is not None else ""
+    message = str(guard).strip().splitlines()[0]
+    counted = "Size-like symbols: u" in str(guard) or re.search(r"Eq\(u\d+, 0\)", message) is not None
+    what = "a count that only the data fixes (torch.where, nonzero, a boolean mask)" if counted else "a tensor's value"
+    return TraceError(
+        f"model '{name}' branches on {what}{where}{module}: the path taken depends on the data, so no trace (torch.fx, "
+        "torch.export, or --leaf, which runs the module on the same fake tensors) stands for every input. Rewrite it "
+        "without a Python branch (torch.where(cond, a, b) computes both sides; an empty selection usually needs no special "
+        "case), add torch._check(...) for what the code assumes of a size, or analyze the model with that path fixed. fxmem "
+        "does follow the per-expert counts of top-k routing (one_hot, or == e on torch.topk's indices)."
+    )
+
+
+def _user_self(error: BaseException) -> object:
+    """The ``self`` of the innermost frame of the user's code in ``error``'s traceback, or None."""
+    owner, tb = None, error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if not frame.f_code.co_filename.startswith(_NOT_USERS) and "/fxmem/" not in frame.f_code.co_filename:
+            code = frame.f_code
+            owner = frame.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        tb = tb.tb_next
+    return owner

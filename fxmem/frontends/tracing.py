@@ -26,17 +26,34 @@ from fxmem.frontends.checkpointing import attach_regions, recording_checkpoints
 from fxmem.frontends.exporting import export_model, export_reason
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.python_scopes import LocalsRecorder
-from fxmem.frontends.trace_causes import fx_assert_error, missing_argument_error, plain_cause, source_line
+from fxmem.frontends.random_structure import RandomStructure, watching_random_decisions
+from fxmem.frontends.trace_causes import data_dependent_error, fixes_the_batch, fx_assert_error, missing_argument_error, plain_cause, source_line
 from fxmem.inputs import InputSpec
 
-__all__ = ["FRONTENDS", "Traced", "trace_model"]
+__all__ = ["FRONTENDS", "WHOLE_MODEL", "Traced", "trace_model"]
 
 FRONTENDS = ("auto", "fx", "export")
 
 
+WHOLE_MODEL = "whole model"
+"""The frontend of a model run whole, as one operation, at each batch (Note [A model that fixes its batch in Python])."""
+
+
+# Note [A model that fixes its batch in Python]
+#     Some models compute a size from the batch in Python or numpy, outside torch: a SpecAugment mask
+#     (transformers' ``_compute_mask_indices((batch_size, sequence_length), ...)`` in wav2vec2, HuBERT,
+#     WavLM) is drawn with numpy from ``hidden_states.shape[0]``. torch.fx cannot trace the numpy call on
+#     a proxy, and torch.export specializes the batch to the example's size ("Constraints violated
+#     (batch)"), so there is no graph for every B. The model can still run: fxmem then runs it whole, as
+#     one operation (the graph a bare leaf model gets), on fake tensors at each concrete batch, where
+#     the numpy code sees an integer. Saved bytes and the step's peak are exact at those batches (the
+#     passes at several B that fix the line); the layer table has the model as one row. The report says
+#     so (frontend "whole model"). Other export failures are not taken this way: they are errors.
+
+
 @dataclass(frozen=True)
 class Traced:
-    """The graph to run, and which frontend made it (the report says so)."""
+    """The graph to run, and which frontend made it (the report says so): "fx", "export", or ``WHOLE_MODEL``."""
 
     gm: fx.GraphModule
     frontend: str
@@ -158,6 +175,8 @@ def _trace(model: nn.Module, specs: Sequence[InputSpec], name: str, leaf_types: 
         return _exported(model, specs, name)
     try:
         return Traced(_fx_trace(model, name, leaf_types), "fx")
+    except RandomStructure:
+        raise  # the same draw would stop torch.export: Note [Random structure]
     except TraceError as fx_error:
         missing = missing_argument_error(model, specs, name, fx_error) if specs else None
         if missing is not None:  # torch.export would fail on it too
@@ -166,10 +185,14 @@ def _trace(model: nn.Module, specs: Sequence[InputSpec], name: str, leaf_types: 
             raise
         try:
             return Traced(export_model(model, specs, name=name), "export")
+        except RandomStructure:
+            raise
         except TraceError as export_error:
-            plain = plain_cause(export_error, model, specs, name)
+            plain = plain_cause(export_error, model, specs, name) or data_dependent_error(export_error, name, model)
             if plain is not None:
                 raise plain from export_error
+            if fixes_the_batch(export_error):  # Note [A model that fixes its batch in Python]
+                return Traced(_single_node_graph(model), WHOLE_MODEL)
             reason = export_reason(export_error)
             raise TraceError(f"{fx_error} torch.export cannot trace it either ({reason}).") from export_error
 
@@ -178,8 +201,10 @@ def _exported(model: nn.Module, specs: Sequence[InputSpec], name: str) -> Traced
     """torch.export's graph; a failure whose plain cause is known leads with it (trace_causes.py)."""
     try:
         return Traced(export_model(model, specs, name=name), "export")
+    except RandomStructure:
+        raise
     except TraceError as e:
-        plain = plain_cause(e, model, specs, name)
+        plain = plain_cause(e, model, specs, name) or data_dependent_error(e, name, model)
         if plain is None:
             raise
         raise plain from e
@@ -190,8 +215,10 @@ def _fx_trace(model: nn.Module, name: str, leaf_types: Sequence[type]) -> fx.Gra
     if tracer.is_leaf_module(model, ""):
         return _single_node_graph(model)
     try:
-        with recording_checkpoints(tracer) as regions:  # See Note [Checkpointed regions]
+        with recording_checkpoints(tracer) as regions, watching_random_decisions():  # Notes [Checkpointed regions], [Random structure]
             graph = tracer.trace(model)
+    except RandomStructure as e:
+        raise e.for_model(name, model) from None
     except Exception as e:
         raise _trace_error(name, model, tracer, e) from e
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)

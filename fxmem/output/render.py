@@ -19,6 +19,7 @@ from tabulate import tabulate
 
 from fxmem.collector import cycle_collector_paused
 from fxmem.errors import InputSpecError
+from fxmem.frontends.tracing import WHOLE_MODEL
 from fxmem.inputs import Constant, InputSpec, dtype_name, format_dims
 from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Timeline
 
@@ -457,7 +458,7 @@ def _html_part(p: _Part) -> str:
 def _title(report: Report) -> str:
     inputs = ", ".join(str(s) for s in report.inputs)
     how = "one symbolic pass + B=1" if report.accounting.method == "symbolic" else "concrete passes"
-    graph = "torch.fx" if report.frontend == "fx" else "torch.export"
+    graph = {"fx": "torch.fx", "export": "torch.export"}.get(report.frontend, "the model run whole")
     if report.checkpointed:
         graph += f", {report.checkpointed} checkpointed region{'s' if report.checkpointed > 1 else ''}"
     target = f"\ntarget: {report.setup.describe()}" if report.setup is not None else ""
@@ -582,6 +583,11 @@ def _notes(report: Report) -> str:
     if report.steps is not None and report.steps.note:
         notes.append(f"Peak: {report.steps.note}.")
     notes += _path_lines(report)
+    if report.frontend == WHOLE_MODEL:
+        notes.append(
+            "Traced: the model fixes the batch in its own Python or numpy code, so no graph holds for every B; it ran whole, "
+            "as one operation, at each batch (exact there), and the layer table has one row for it."
+        )
     if report.accounting.batch_one_error:
         notes.append(
             "The model cannot train at B=1, so B=1 figures follow the line: " + " ".join(report.accounting.batch_one_error.split())[:300]
@@ -596,6 +602,8 @@ def _notes(report: Report) -> str:
         notes.append(f"The batch could not stay symbolic; a*B + c fitted and verified by {report.accounting.note}.")
     if report.activations.higher:
         notes.append(f"Activations grow faster than linearly in B: {report.activations.polynomial()} bytes.")
+    notes += [f"Code path: {p}." for p in report.paths]
+    notes += [f"Routing: {r}." for r in report.routed]
     notes += [f"Unsupported: node {u.node} ({u.fqn}): {u.reason}; counted as 0 B." for u in report.accounting.unsupported]
     caveat = report.batchnorm_caveat()
     notes += [caveat] if caveat else []
@@ -839,6 +847,8 @@ def to_dict(report: Report, *, depth: Depth = None) -> dict[str, Any]:
             {"layer": r.fqn, "ops": list(r.ops), "nodes": list(r.nodes), "saved": _expr_dict(r.saved), "bytes_at_batch": a}
             for r, a in zip(layers, _layer_bytes(report, layers, b))
         ],
+        "routing": list(report.routed),
+        "code_paths": list(report.paths),
         "batch_one_special": list(report.batch_one_special),
         "batch_one_error": report.accounting.batch_one_error or None,
         "seq_len": report.seq_len,

@@ -17,7 +17,7 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from torch._prims_common import is_contiguous_or_false
+from torch._prims_common import is_contiguous_for_memory_format_or_false, is_contiguous_or_false, suggest_memory_format
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxmem.results import Estimated, WorkspaceBound
@@ -33,6 +33,7 @@ __all__ = [
     "convolution_workspaces",
     "cudnn_convolution_backward_workspace",
     "cudnn_convolution_workspace",
+    "suggested_layout",
 ]
 
 
@@ -93,10 +94,34 @@ CUDNN_CONV_WORKSPACE = "cuDNN convolution workspace"
 #     direction, the largest family (the padded copies of all three operands, b * Wf, the FFT engine
 #     where it was seen: fp32 2-D kernels of 5x5 or more, stride 1) plus 16 MiB of split-K partials
 #     (the most seen: 10.2 MB), 1x1 kernels' forward and data gradient included. Every
-#     sweep workspace is within its bound. Not modelled: channels-last inputs, fp16 depthwise through
-#     cuDNN, GPUs other than the H200 (cuDNN's heuristics depend on the architecture), cudnn.benchmark,
+#     sweep workspace is within its bound. Not modelled: the workspaces of channels-last inputs (their
+#     copies follow ConvShared.cpp's layouts: Note [Which kernel runs a depthwise convolution]), fp16
+#     depthwise through cuDNN, GPUs other than the H200 (cuDNN's heuristics depend on the architecture), cudnn.benchmark,
 #     and the bias gradient's ``sum``, whose CUDA reduction stages up to an eighth of grad_output after
 #     the weight gradient's workspace is freed.
+
+# Note [Which kernel runs a depthwise convolution]
+#     ``_select_conv_backend`` (aten/src/ATen/native/Convolution.cpp, read at torch 2.11-2.13) sends a
+#     CUDA convolution with ``is_depthwise`` (groups == input channels > 1, output channels a multiple,
+#     not transposed, 4-D or 5-D) to cuDNN only where ``ConvParams::use_cudnn_depthwise`` says so: always
+#     where ``cudnn_conv_suggest_memory_format(input, weight)`` (ConvUtils.h: channels-last if the input
+#     or the 4-D weight suggests it) is not Contiguous, else only for fp16 input and weight through
+#     ``check_cudnn_depthwise_workload_with_filter``; fp32 and bf16 NCHW depthwise convolutions
+#     (ConvNeXt's 7x7 in its official form, which adds the residual first) run ATen's own
+#     ``conv_depthwise2d`` kernels (DepthwiseConv2d.cu), which allocate nothing but their outputs. Their
+#     backward (``conv_depthwise2d_backward_cuda_out``) takes ``grad_output.expect_contiguous()`` once
+#     for both gradients: a copy where grad_output is a view, as a ConvNeXt block's is (the gradient of
+#     ``permute(0, 2, 3, 1)``: channels-last strides). ``convolution_backward`` picks the backend from
+#     the saved input and the weight, so forward and backward agree. The H200 sweep (kernels_h200.json
+#     ``conv``, trace_conv.json) ran NCHW depthwise 7x7, 3x3 and strided 5x5 convolutions in fp32 and
+#     bf16: no workspace in any direction, the backward's rise its outputs and that copy only.
+#     A channels-last depthwise convolution (timm's ConvNeXt, whose ``LayerNorm2d`` and residual leave
+#     the activations channels-last) runs cuDNN instead; ConvShared.cpp copies grad_output to
+#     ``cudnn_conv_suggest_memory_format(grad_output, weight)`` for the data gradient and the input and
+#     grad_output to ``cudnn_conv_suggest_memory_format(input, grad_output)`` for the weight gradient,
+#     so a channels-last grad_output is not copied at all, where charging the native kernel's copy
+#     counted one output-sized tensor too many. Its workspace was not measured (``Law.CUDNN_DEPTHWISE``).
+#     Not modelled: fp16's workload heuristic (fp16 NCHW depthwise is taken as native).
 
 _TRAILER = 16
 """What every layout-transform workspace adds to its copies."""
@@ -124,6 +149,17 @@ _WIDE_FP32_INPUT = 32
 """fp32 forwards with at least this many input channels skip the output's copy."""
 
 
+def suggested_layout(a: Any, b: Any) -> torch.memory_format:
+    """``cudnn_conv_suggest_memory_format(a, b)`` (aten/src/ATen/native/ConvUtils.h): channels-last
+    where either tensor's strides suggest it (by ``b``'s rank: 4-D channels_last, 5-D channels_last_3d),
+    else contiguous; ATen asks it with (input, weight), (grad_output, weight) and (input, grad_output).
+    See Note [Which kernel runs a depthwise convolution]."""
+    wanted = {4: torch.channels_last, 5: torch.channels_last_3d}.get(b.dim())
+    if wanted is None or a.dtype == torch.float64 or b.dtype == torch.float64:
+        return torch.contiguous_format
+    return wanted if wanted in (suggest_memory_format(a), suggest_memory_format(b)) else torch.contiguous_format
+
+
 class Direction(StrEnum):
     """The three cuDNN operations of a convolution, in the frame of the convolution itself."""
 
@@ -137,6 +173,10 @@ class Law(StrEnum):
 
     NONE = "none"
     """An engine (or ATen's native depthwise kernel) that needs no workspace."""
+    CUDNN_DEPTHWISE = "cuDNN channels-last depthwise (not measured)"
+    """A depthwise convolution ``use_cudnn_depthwise`` hands to cuDNN (channels-last): charged 0, as
+    its operands need no layout transform, with the bound of the copies family (Note [Which kernel
+    runs a depthwise convolution])."""
     SMALL = "1x1 gemm"
     """A 1x1 kernel's forward or data gradient: a few hundred bytes, charged as 0."""
     TRANSFORM = "layout transform"
@@ -157,7 +197,8 @@ class Law(StrEnum):
 class ConvFrame:
     """A cuDNN convolution's sizes in its own frame: X (input, ``cx`` channels over ``sx``) to Y
     (output, ``cy`` over ``sy``); a transposed convolution is the convolution from its output to its
-    input, run backwards. ``depthwise`` marks one ATen hands to its native kernels instead."""
+    input, run backwards. ``depthwise`` marks one ATen hands to its native kernels instead,
+    ``cudnn_depthwise`` one it hands to cuDNN (Note [Which kernel runs a depthwise convolution])."""
 
     cx: int
     cy: int
@@ -169,6 +210,7 @@ class ConvFrame:
     sy: tuple[int, ...]
     itemsize: int
     depthwise: bool = False
+    cudnn_depthwise: bool = False
 
     @classmethod
     def of(
@@ -177,12 +219,14 @@ class ConvFrame:
         """The frame of ``aten.convolution(inp, weight, ...)`` whose output has ``out_spatial``."""
         ints = lambda xs: tuple(int(x) for x in xs)
         kernel, sin, sout = ints(weight.shape[2:]), ints(inp.shape[2:]), ints(out_spatial)
-        depthwise = not transposed and groups > 1 and int(inp.shape[1]) == groups and int(weight.shape[0]) % groups == 0
+        per_channel = not transposed and groups > 1 and int(inp.shape[1]) == groups and int(weight.shape[0]) % groups == 0
+        to_cudnn = per_channel and suggested_layout(inp, weight) != torch.contiguous_format
         if transposed:  # weight (Cin, Cout / groups, *k): the convolution from Cout channels to Cin
             cx, cy, sx, sy = int(weight.shape[1]) * groups, int(weight.shape[0]), sout, sin
         else:
             cx, cy, sx, sy = int(inp.shape[1]), int(weight.shape[0]), sin, sout
-        return cls(cx, cy, int(groups), kernel, ints(stride), ints(padding), sx, sy, inp.element_size(), depthwise)
+        native = per_channel and not to_cudnn
+        return cls(cx, cy, int(groups), kernel, ints(stride), ints(padding), sx, sy, inp.element_size(), native, to_cudnn)
 
     @property
     def dims(self) -> int:
@@ -306,7 +350,7 @@ def _fft(f: ConvFrame, batch: int) -> int:
 
 def _estimate(f: ConvFrame, law: Law, direction: Direction, batch: int) -> int:
     """The bytes ``law`` asks for at ``batch``."""
-    if law in (Law.NONE, Law.SMALL):
+    if law in (Law.NONE, Law.SMALL, Law.CUDNN_DEPTHWISE):
         return 0
     if law == Law.GATHER:
         trailers = {Direction.FORWARD: _TRAILER, Direction.DATA: _data_trailer(f), Direction.WEIGHT: _GATHER_WEIGHT_TRAILER}
@@ -343,7 +387,7 @@ def conv_workspace(frame: ConvFrame, direction: Direction, batch: int) -> ConvWo
     >>> (str(w.law), w.estimate, w.estimate == 2 * (2 * 8 * 64**3 * 2) + 8 * 8 * 27 * 2 + 16, w.exact)
     ('layout transform', 16780688, True, True)
     """
-    law = Law.NONE if frame.depthwise else _LAWS[direction](frame)
+    law = Law.NONE if frame.depthwise else Law.CUDNN_DEPTHWISE if frame.cudnn_depthwise else _LAWS[direction](frame)
     if law == Law.BATCH_SPLIT and _copies_instead(frame, batch):
         law = Law.PAIR
     estimate = _estimate(frame, law, direction, batch)
@@ -388,9 +432,9 @@ def convolution_workspaces(args: Sequence[Any], *, backward: bool, batch: int | 
     call's (``backward=True``) arguments, on real, fake or meta tensors; ``batch`` overrides their
     batch size (the default; it must then be concrete). Each ``ConvWorkspace`` has the ``estimate``
     fxmem's timeline charges and the ``bound`` a report shows as "cuDNN convolution workspace:
-    estimated X, at most Y" (a depthwise convolution, which ATen runs without cuDNN, gives
-    ``estimate == bound == 0``). The grad_output copy a backward may make is not a workspace and is
-    not included (the workspace rule charges it).
+    estimated X, at most Y" (an NCHW fp32 or bf16 depthwise convolution, which ATen runs without cuDNN,
+    gives ``estimate == bound == 0``: Note [Which kernel runs a depthwise convolution]). The grad_output
+    copy a backward may make is not a workspace and is not included (the workspace rule charges it).
     """
     frame, transposed = _frame(args, backward=backward)
     b = int(args[1].shape[0] if backward else args[0].shape[0]) if batch is None else batch
@@ -411,26 +455,62 @@ def cudnn_convolution_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], 
     return Estimated(found, WorkspaceBound(CUDNN_CONV_WORKSPACE, lambda b: conv_workspace(frame, direction, b).bound))
 
 
+def _per_sample(t: Any) -> int:
+    """The bytes of one sample of ``t`` (its first dimension the batch)."""
+    return math.prod(int(n) for n in t.shape[1:]) * t.element_size()
+
+
+def _copy_in(t: Any, layout: torch.memory_format) -> bool:
+    """Whether ``t.contiguous(layout)`` copies ``t``."""
+    return not is_contiguous_for_memory_format_or_false(t, memory_format=layout)
+
+
+@dataclass(frozen=True)
+class _Copies:
+    """What the backward copies besides its workspaces: per sample for the first cuDNN part (or ATen's
+    native depthwise kernel) and for the weight gradient's part, and the weight's fixed bytes copied
+    for the data gradient (Note [Which kernel runs a depthwise convolution])."""
+
+    first: int
+    weight_part: int
+    weight: int = 0
+
+
+def _backward_copies(grad_output: Any, inp: Any, weight: Any, frame: ConvFrame, transposed: bool) -> _Copies:
+    """The copies ``convolution_backward`` makes for ``frame``: the native depthwise kernel one NCHW
+    grad_output copy for both gradients; a transposed cuDNN backward one for both (as measured);
+    cuDNN's data gradient grad_output (and the weight) in ``suggested_layout(grad_output, weight)``,
+    its weight gradient grad_output and the input in ``suggested_layout(input, grad_output)`` (ConvShared.cpp)."""
+    if frame.depthwise or transposed:
+        copy = _per_sample(grad_output) if not is_contiguous_or_false(grad_output) else 0
+        return _Copies(copy, copy)
+    data, wgrad = suggested_layout(grad_output, weight), suggested_layout(inp, grad_output)
+    first = _per_sample(grad_output) if _copy_in(grad_output, data) else 0
+    second = (_per_sample(grad_output) if _copy_in(grad_output, wgrad) else 0) + (_per_sample(inp) if _copy_in(inp, wgrad) else 0)
+    return _Copies(first, second, _nbytes(weight) if _copy_in(weight, data) else 0)
+
+
 def cudnn_convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """The backward's high mark above its outputs: each cuDNN part's workspace, with the grad_output
-    copy it makes, and less the outputs made after it. See Note [cuDNN convolution workspaces]."""
+    copy it makes, and less the outputs made after it. See Note [cuDNN convolution workspaces] and
+    Note [Which kernel runs a depthwise convolution]."""
     grad_output, inp, weight, mask = args[0], args[1], args[2], args[10]
     frame, transposed = _frame(args, backward=True)
     if not (mask[0] or mask[1]) or statically_known_true(inp.numel() == 0):
         return 0
-    copy = 0 if is_contiguous_or_false(grad_output) else math.prod(int(n) for n in grad_output.shape[1:]) * grad_output.element_size()
+    copies = _backward_copies(grad_output, inp, weight, frame, transposed)
     later_weight = _nbytes(weight) if mask[1] else 0  # the weight gradient, made after the data gradient's part
     bias = _nbytes(out[2]) if len(mask) > 2 and mask[2] else 0  # the bias gradient, made last
 
     def marks(batch: int, _regime: int, size: Callable[[ConvWorkspace], int] = lambda w: w.estimate) -> list[int]:
         if frame.depthwise:  # ATen's native kernel: the copy alone, with both gradients made
-            return [0, batch * copy - bias]
+            return [0, batch * copies.first - bias]
         found = [0]
         if mask[0]:
             first = size(conv_workspace(frame, Direction.FORWARD if transposed else Direction.DATA, batch))
-            found.append(batch * copy + first - later_weight - bias)
+            found.append(batch * copies.first + copies.weight + first - later_weight - bias)
         if mask[1]:
-            found.append(batch * copy + size(conv_workspace(frame, Direction.WEIGHT, batch)) - bias)
+            found.append(batch * copies.weight_part + size(conv_workspace(frame, Direction.WEIGHT, batch)) - bias)
         return found
 
     found = highest(inp.shape[0], marks)

@@ -17,6 +17,7 @@ import torch
 
 from fxmem.rules.onednn_conv import (
     _ALIGN,
+    _BATCH_ELEMENT,
     _PAGE,
     _REDUCER_BUFFER,
     ConvShape,
@@ -28,7 +29,15 @@ from fxmem.rules.onednn_conv import (
     _strided_scratchpad,
 )
 
-__all__ = ["avx2_backward_marks", "avx2_forward_marks", "onednn_avx2_convolution"]
+__all__ = [
+    "avx2_backward_marks",
+    "avx2_channels_last_backward_marks",
+    "avx2_channels_last_forward_marks",
+    "avx2_channels_last_grad_output_copy",
+    "avx2_forward_marks",
+    "onednn_avx2_channels_last",
+    "onednn_avx2_convolution",
+]
 
 
 # Note [CPU oneDNN convolution buffers on AVX2]
@@ -739,3 +748,162 @@ def _transposed_backward_marks(conv: ConvShape, nthr: int, mask: Sequence[bool])
         return [m - final for m in found]
 
     return marks
+
+
+# Note [CPU oneDNN channels-last convolution buffers on AVX2]
+#     ATen runs a convolution channels-last where its input is (``mkldnn_conv_use_channels_last``),
+#     as ConvNeXt's are: LayerNorm2d permutes to NHWC and back, so every depthwise 7x7 and every
+#     downsampling conv after the stem reads a channels-last input. oneDNN then takes other kernels
+#     than the blocked ones above (ONEDNN_VERBOSE under ONEDNN_MAX_CPU_ISA=AVX2, f32, torch 2.13), and
+#     source and result need no reorder. Read off the profiler, byte for byte (``K`` the kernel volume,
+#     ``C8`` the channels rounded up to 8, ``w`` the plain weights' bytes, ``x`` / ``y`` input / output):
+#     * Depthwise (groups == cin == cout), stride 1, odd kernels wider than 3 with "same" padding:
+#       - forward ``brdgmm_dw:avx2`` (jit_brdgmm_dw_conv.cpp): the weights reordered to ``debcA8a``,
+#         K * C8 floats; no scratchpad, no padded bias.
+#       - input gradient ``jit_dw:avx2`` backward_data in NHWC (jit_uni_dw_convolution.cpp): the
+#         weights as ``Abcde8a`` (K * C8 floats), nothing else.
+#       - weight gradient: ``jit_dw`` takes only kernels at most 3 wide (as for the blocked layout),
+#         so oneDNN falls to the grouped direct kernel ``jit:avx2`` backward_weights
+#         (jit_avx2_conv_kernel_f32.cpp) with ``aBCde8c8b`` weights: each group's one input and one
+#         output channel padded to an 8 x 8 block, G * 64 * K floats (``ap``: padded; ConvNeXt-T's 768
+#         channels, 7x7: 9.6 MB), then reordered to ``abcde`` (w) and copied into the returned
+#         gradient (2w at the top). A bias gradient books a padded bias of G * 8 floats and 128 bytes
+#         beside ideep's bias buffer, then the returned bias. Its reducer (``cpu_reducer_t``, G jobs)
+#         splits nothing where G >= nthr; fewer groups than threads are declined, unchecked.
+#       Declined (no rule): kernels at most 3 wide (``jit_dw``'s NHWC weight gradient splits its
+#       threads another way than ``_dw_reduction``: not ported), 3 groups (GEMM weight gradient),
+#       kernels the direct weight kernel declines (``_direct_weights_ok``: e.g. taller than the
+#       input, GEMM), strides.
+#     * Tiled convolutions (kernel == stride > 1 on both axes, no padding, the input exactly tiled:
+#       ConvNeXt's 2x2 downsampling), groups 1. ATen first copies the (contiguous) weights
+#       channels-last (w, alive through the op), and a backward first copies grad_output
+#       channels-last where it is not (y bytes: ``avx2_channels_last_grad_output_copy``):
+#       - forward ``brg_conv_fwd:avx2`` (jit_brgemm_conv.cpp): weights ``AcdbNa``, K * cin * (cout
+#         rounded up to the block N) floats, and a page of brgemm batch descriptors a thread (103 * 40
+#         bytes, as in onednn_conv.py's ``_strided_scratchpad``) with a page of alignment.
+#       - input gradient ``brgconv_strided:avx2`` (jit_brgemm_conv_bwd_strided.cpp): the plain strided
+#         rule's bookings (``_strided_scratchpad``) and weights ``BcdaNb``, K * cout * (cin rounded up
+#         to N), with no copy before or after.
+#       - weight gradient ``jit:avx2`` backward_weights in NHWC: K * p8(cin) * p8(cout) floats (3 input
+#         channels "flat": K * p8(cout) * 3), the plain direct kernel's reducer and bias bookings
+#         (``_direct_avx2_scratchpad``, ``_bias_scratchpad``), then w and its copy at the top.
+#       The block N (8, 16, 24 or 32) comes from brgemm's efficiency estimate
+#       (jit_brgemm_conv_utils.cpp, not ported): up to 32 channels it padded to C8 in every case seen;
+#       above, mostly to a multiple of 24 at one thread (40 -> 48, 80 -> 96, 64 -> 72, as the plain
+#       Note's strided input gradient), but 32 -> 80 channels took 16 at two threads (by its bytes).
+#       So the rule takes C8 up to 32 channels and multiples of 96 (no padding under any block:
+#       ConvNeXt-T's 96 to 768), and declines the rest (ConvNeXt-V2 atto's 80, 160, 320), and
+#       one-pixel outputs (other bookings at 2 threads).
+#     Checked on a fixed-seed grid (55 shapes: depthwise 5x5 and 7x7 over 2 to 40 channels, tiled 2x2
+#     and 4x4 over 3 to 192, batch 1 to 6, each output mask, bias or none, grad_output channels-last
+#     or not) at 1 and 2 threads (tests/test_onednn_conv_avx2.py), and some 140 more while writing
+#     it. ConvNeXt-like AdamW steps (dims 16/32 on 32x32, dims 96/192 on 64x64) that were 3.7% to
+#     31.8% low are exact. ops.py charges grad_output's channels-last copy from
+#     ``avx2_channels_last_grad_output_copy`` (not its contiguous copy) where this Note's rule applies.
+
+_BRG_MAX_P8 = 32
+"""Up to this many channels brgemm's AVX2 blocks padded them to C8 in every case seen."""
+_BRG_EVERY_BLOCK = 96
+"""The least common multiple of brgemm's AVX2 channel blocks (8, 16, 24, 32)."""
+
+
+def onednn_avx2_channels_last(
+    inp: Any, weight: Any, stride: Any, padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int
+) -> bool:
+    """Whether Note [CPU oneDNN channels-last convolution buffers on AVX2] describes this convolution:
+    a channels-last 4-D f32 input, contiguous weights, and a depthwise "same" or a tiled kernel."""
+    if inp.dim() != 4 or inp.dtype != torch.float32 or transposed or torch.backends.cpu.get_cpu_capability() != "AVX2":
+        return False
+    if inp.is_contiguous() or not inp.is_contiguous(memory_format=torch.channels_last) or not weight.is_contiguous():
+        return False
+    backend = torch._C._select_conv_backend(inp, weight, None, stride, padding, dilation, transposed, output_padding, groups)
+    if str(backend).rpartition(".")[2] != "Mkldnn" or any(int(d) != 1 for d in dilation):
+        return False
+    out = _output_size(inp, weight, stride, padding, dilation, transposed, output_padding)
+    if min(out) < 1:
+        return False
+    conv = ConvShape.of(inp, weight, stride, padding, dilation, out)
+    if groups > 1:
+        return _cl_depthwise_ok(conv, groups, torch.get_num_threads())
+    known = all(_brg_padded(c) for c in (conv.cin, conv.cout))
+    # one output pixel: other bookings at 2 threads (seen, not ported)
+    return known and conv.s_out > 1 and _tiled(conv) and conv.strided and _direct_weights_ok(conv)
+
+
+def _cl_depthwise_ok(conv: ConvShape, groups: int, nthr: int) -> bool:
+    """Depthwise, stride 1, odd kernels wider than 3 with "same" padding (narrower ones take
+    ``jit_dw``'s weight gradient, whose NHWC split is not ported), not 3 groups (GEMM), and at least
+    as many groups as threads (the weight reducer is not seen split: see the Note)."""
+    if conv.cin != 1 or conv.cout != groups or conv.strided or groups < nthr or groups == 3:
+        return False
+    if conv.kernel[-1] <= _DW_MAX_KW or not _direct_weights_ok(conv):  # e.g. a kernel taller than the input: GEMM
+        return False
+    return all(k % 2 == 1 and p == k // 2 for k, p in zip(conv.kernel, conv.pad))
+
+
+def _brg_padded(c: int) -> int:
+    """The channels brgemm's kernels pad ``c`` to, where their block (8, 16, 24 or 32, by an
+    efficiency estimate not ported) does not matter: C8 up to 32 channels, none for multiples of 96
+    (every block divides them); 0 elsewhere (declined)."""
+    if c <= _BRG_MAX_P8:
+        return _p8(c)
+    return c if c % _BRG_EVERY_BLOCK == 0 else 0
+
+
+def avx2_channels_last_grad_output_copy(grad_output: Any) -> int:
+    """The channels-last copy ATen makes of a grad_output that is not channels-last (its bytes)."""
+    if grad_output.is_contiguous(memory_format=torch.channels_last):
+        return 0
+    return int(grad_output.numel()) * grad_output.element_size()
+
+
+def avx2_channels_last_forward_marks(conv: ConvShape, nthr: int, groups: int = 1, bias: bool = False) -> Callable[[int, int], list[int]]:
+    """The channels-last forward's high mark above its output (Note [CPU oneDNN channels-last
+    convolution buffers on AVX2]): the reordered weights, and for a tiled kernel the channels-last
+    weight copy and brgemm's batch descriptors; no batch term."""
+    e = conv.e
+    if groups > 1:
+        fixed = conv.ks * _p8(conv.cout) * e
+    else:
+        descriptors = _cdiv(_p(conv.ks * _BATCH_ELEMENT, _PAGE), _BATCH_ELEMENT) * _BATCH_ELEMENT
+        w = conv.ks * conv.cin * conv.cout * e
+        fixed = w + conv.ks * conv.cin * _brg_padded(conv.cout) * e + nthr * descriptors + _PAGE
+    return lambda batch, _regime: [fixed]
+
+
+def avx2_channels_last_backward_marks(conv: ConvShape, nthr: int, mask: Sequence[bool], groups: int = 1) -> Callable[[int, int], list[int]]:
+    """The channels-last backward's high marks above its outputs, grad_output's copy aside (Note
+    [CPU oneDNN channels-last convolution buffers on AVX2])."""
+
+    def marks(batch: int, regime: int) -> list[int]:
+        e = conv.e
+        w = conv.ks * conv.cin * conv.cout * e
+        grad_input = batch * conv.cin * groups * conv.s_in * e if mask[0] else 0
+        bias = len(mask) > 2 and bool(mask[2])
+        b = conv.cout * e if bias else 0
+        final = grad_input + (w if mask[1] else 0) + b
+        w_cl = 0 if groups > 1 else w
+        found: list[int] = [final]
+        if mask[0]:
+            if groups > 1:
+                found.append(grad_input + conv.ks * _p8(conv.cout) * e)
+            else:
+                found.append(w_cl + grad_input + conv.ks * conv.cout * _brg_padded(conv.cin) * e + _strided_scratchpad(conv, nthr))
+        if mask[1] or bias:
+            w_int, scratch, extra = _cl_weight_buffers(conv, groups, regime, nthr, bias)
+            found += [w_cl + grad_input + w_int + scratch + extra + b, w_cl + grad_input + w_int + 2 * w + 2 * b]
+        return [m - final for m in found]
+
+    return marks
+
+
+def _cl_weight_buffers(conv: ConvShape, groups: int, batch: int, nthr: int, bias: bool) -> tuple[int, int, int]:
+    """(gradient in the kernel's layout, weight reducer, bias bookings) of the channels-last weight
+    gradient (``jit:avx2`` backward_weights)."""
+    e = conv.e
+    if groups > 1:  # aBCde8c8b: each group an 8 x 8 block; its padded bias G * 8 floats
+        return groups * _SIMD * _SIMD * conv.ks * e, 0, groups * _SIMD * e + _ALIGN if bias else 0
+    flat = conv.cin == 3  # the input read as is, 3 channels a block (as for the plain direct kernel)
+    w_int = conv.ks * (conv.cin if flat else _p8(conv.cin)) * _p8(conv.cout) * e
+    extra = _bias_scratchpad(conv.cout, _SIMD, batch, nthr, e, _REDUCER_BUFFER) if bias else 0
+    return w_int, _direct_avx2_scratchpad(conv, batch, nthr), extra

@@ -28,7 +28,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fxmem.rules.cudnn_conv import cudnn_convolution_backward_workspace, cudnn_convolution_workspace
 from fxmem.rules.cudnn_rnn import cudnn_rnn_backward_workspace, cudnn_rnn_reserve, cudnn_rnn_workspace
 from fxmem.rules.onednn_conv import ConvShape, backward_marks, forward_marks, highest, onednn_convolution
-from fxmem.rules.onednn_conv_avx2 import avx2_backward_marks, avx2_forward_marks, onednn_avx2_convolution
+from fxmem.rules.onednn_conv_avx2 import (
+    avx2_backward_marks,
+    avx2_channels_last_backward_marks,
+    avx2_channels_last_forward_marks,
+    avx2_channels_last_grad_output_copy,
+    avx2_forward_marks,
+    onednn_avx2_channels_last,
+    onednn_avx2_convolution,
+)
 from fxmem.rules.onednn_rnn import PAGE_SIZE, get_good_ld, lstm_workspace_bytes
 from fxmem.rules.registries import (
     LAYOUT_RULES,
@@ -310,6 +318,11 @@ def _onednn_marks(inp: Any, weight: Any, *conv_args: Any, bias: bool = False) ->
             functools.partial(avx2_forward_marks, groups=groups, bias=bias, dilation=dilation, transposed=transposed),
             functools.partial(avx2_backward_marks, groups=groups, transposed=transposed),
         )
+    if onednn_avx2_channels_last(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
+        return (
+            functools.partial(avx2_channels_last_forward_marks, groups=groups, bias=bias),
+            functools.partial(avx2_channels_last_backward_marks, groups=groups),
+        )
     return None
 
 
@@ -339,7 +352,10 @@ def convolution_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any
         if not any(mask):
             return 0
         conv = ConvShape.of(inp, weight, stride, padding, dilation, grad_output.shape[2:])
-        copy = 0 if grad_output.is_contiguous() else grad_output.numel() * grad_output.element_size()
+        if onednn_avx2_channels_last(inp, weight, stride, padding, dilation, transposed, output_padding, groups):
+            copy = avx2_channels_last_grad_output_copy(grad_output)  # Note [CPU oneDNN channels-last convolution buffers on AVX2]
+        else:
+            copy = 0 if grad_output.is_contiguous() else grad_output.numel() * grad_output.element_size()
         return highest(inp.shape[0], onednn[1](conv, torch.get_num_threads(), mask), plus=copy)
     backend = _slow_backend(inp, weight, stride, padding, dilation, transposed, output_padding, groups)
     if not backend or not (mask[0] or mask[1]):
@@ -621,6 +637,32 @@ def cpu_layer_norm_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, 
 
 register_workspace_rule(("aten.native_layer_norm", "cpu"))(cpu_layer_norm_workspace)
 register_workspace_rule(("aten.native_layer_norm_backward", "cpu"))(cpu_layer_norm_backward_workspace)
+# Note [CPU log_softmax copies a strided input]
+#     The CPU's log_softmax (log_softmax_cpu_out in aten/src/ATen/native/SoftMax.cpp), and its softmax
+#     (softmax_cpu_out, same file, same code, measured alike), starts with
+#     ``input.contiguous()`` whatever the dim, so logits that are not contiguous (a classifier's
+#     channels-last (B, C, H, W) output, log_softmax over the channels as cross_entropy does) are copied
+#     whole for the op's length; its output is always contiguous (the meta function asks for the legacy
+#     contiguous format). The backward (log_softmax_backward_cpu_out, same file) copies the incoming
+#     gradient the same way (and the output, which is contiguous). Those copies die with the op; the
+#     fake kernels allocate none of them. A tensor that is both layouts (one channel, or 1 x 1 maps) is
+#     not copied. Measured with the profiler on torch 2.13, float32: channels-last, transposed and
+#     expanded tensors, dims 0, 1 and 3 (tests/test_export_locals.py).
+
+
+def cpu_log_softmax_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The input's contiguous copy. See Note [CPU log_softmax copies a strided input]."""
+    return _copy_if_strided(args[0])
+
+
+def cpu_log_softmax_backward_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
+    """The gradient's and the output's contiguous copies. See Note [CPU log_softmax copies a strided input]."""
+    return _copy_if_strided(args[0]) + _copy_if_strided(args[1])
+
+
+for _op in ("_log_softmax", "_softmax"):
+    register_workspace_rule((f"aten.{_op}", "cpu"))(cpu_log_softmax_workspace)
+    register_workspace_rule((f"aten.{_op}_backward_data", "cpu"))(cpu_log_softmax_backward_workspace)
 # Note [CPU exact GELU backward]
 #     The CPU's gelu_backward with approximate='none' hands a contiguous float32 input to oneDNN's
 #     eltwise backward (gelu_backward_out_cpu in aten/src/ATen/native/Activation.cpp, ``use_mkldnn``),

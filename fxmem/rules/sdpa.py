@@ -189,8 +189,9 @@ def _last_stride_one(c: _Call, ignore_singleton: bool) -> bool:
 
 
 def _mask_shape(c: _Call) -> bool:
-    """check_attn_mask_shape: a mask that needs no gradient, 2-D (L, S) or 4-D (B, H, L, S), each dim
-    equal to the query's or 1."""
+    """check_attn_mask_shape: a mask that needs no gradient (cuDNN's backward returns none for it, see
+    Note [An attention bias that requires grad]), 2-D (L, S) or 4-D (B, H, L, S), each dim equal to the
+    query's or 1."""
     m = c.mask
     if m is None:
         return True
@@ -297,8 +298,46 @@ def _gemm_alignment(dtype: torch.dtype, cap: Capability) -> int:
 
 
 def _grad_wanted(*ts: torch.Tensor) -> bool:
-    """should_compute_logsumexp / input_requires_grad: some input requires grad and grad mode is on."""
+    """should_compute_logsumexp / input_requires_grad: some input requires grad and grad mode is on.
+    Called with q, k and v only, as torch does: a mask's own need of a gradient does not count (Note
+    [An attention bias that requires grad])."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+# Note [An attention bias that requires grad]
+#     A trained additive bias (T5's relative position bias: an nn.Embedding looked up per (query, key)
+#     pair, permuted to (1, H, L, S), added as ``attn_mask``) changes both the backend and what is kept.
+#     Backend (sdp_utils.cpp, sdp_utils_cpp.h; the same in 2.11 and 2.13):
+#     - cuDNN: ``check_attn_mask_shape`` returns false for a mask that ``requires_grad()`` (whatever the
+#       grad mode), as ``_scaled_dot_product_cudnn_attention``'s derivative (tools/autograd/derivatives.yaml)
+#       differentiates q, k and v only (called with such a bias, the op raises "not differentiable with
+#       respect to argument 'attn_bias'"); so bf16/fp16 leave cuDNN, which they take with the mask untrained.
+#     - flash: no mask at all (``check_for_attn_mask``).
+#     - memory-efficient: no check on the mask's gradient (``check_requires_grad_and_nested`` is about
+#       nested inputs), but ``check_last_dim_stride_equals_1_dense`` wants the mask's last stride 1 on a
+#       GPU (pytorch#158424, in 2.8). T5's lookup, (L, S, H) permuted to (1, H, L, S), has last stride H:
+#       it goes to math unless made contiguous (or H = 1); contiguous, it runs memory-efficient, fp32 and
+#       bf16 alike.
+#     Kept for backward:
+#     - memory-efficient: ``scaled_dot_product_attention`` (attention.cpp) passes ``preprocess_mask``'s
+#       result, the bias padded to a multiple of 8 unless ``aligned_tensor`` and expanded to (B, H, L, S)
+#       (``_mem_efficient_bias``); derivatives.yaml saves it as ``attn_bias`` with q, k, v, the output,
+#       the log-sum-exp and the philox seed and offset, the same list as for an untrained mask, and
+#       passes ``grad_input_mask[3]`` on as ``bias_requires_grad``. ``_efficient_attention_backward``
+#       (attention_backward.cu) then allocates ``grad_bias`` at the saved bias's sizes, the expanded
+#       (B, H, L, S) with its last dim rounded up to 16, in the bias's dtype: a full per-batch, per-head
+#       gradient even for a (1, H, L, S) bias, which autograd sums back (ExpandBackward0) and, where it was
+#       padded, copies into zeros of the padded size (SliceBackward0). The meta kernel
+#       (torch/_meta_registrations.py) allocates the same, so the fake call needs no rule of its own.
+#       ``compute_log_sumexp`` (``should_compute_logsumexp``, attention.cpp) looks at q, k and v only: a
+#       bias trained under frozen q, k and v gets an empty log-sum-exp, which the GPU's backward reads
+#       through a null pointer (pytorch#148476; pytorch#188302, which would count the mask, came after
+#       2.13's branch cut and was closed). fxmem follows torch here: an empty log-sum-exp, no error.
+#     - math: the composite adds the mask in place (``attn.add_``), which saves nothing; what it keeps
+#       is Note [The math path on the cuda target]'s, the mask's gradient being the scores' gradient
+#       summed to its shape.
+#     The H200's records (tests/data/h200) have no mask that requires grad; tests/test_sdpa.py checks
+#     this against the arithmetic, and against the fp32 float-mask record, whose saved list this is.
 
 
 def run_sdpa(

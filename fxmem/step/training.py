@@ -8,7 +8,9 @@ the target's allocator (``fxmem/gpu/allocator.py``) where the target is CUDA.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +21,7 @@ from fxmem.errors import InputSpecError
 from fxmem.options import DEFAULT_GPU, Hardware, Parallelism, Training, spell
 from fxmem.rules import TorchRelease, torch_release
 from fxmem.rules.linear import LinearAsReal
+from fxmem.rules.routing import RoutedSizes
 from fxmem.rules.optimizers import IMPLS
 from fxmem.step.sharding import STAGES as SHARDS
 from fxmem.step.sharding import check_plan
@@ -223,7 +226,11 @@ class TrainingSetup:
     def kernels(self) -> Callable[[], AbstractContextManager[object]]:
         """A factory of the context the forward and the loss run in: the cuda target's kernel choices and
         autocast policy (fxmem/gpu/target.py), CPU autocast for a cpu target with ``amp``, else ``linear``
-        as real tensors run it (Note [linear's bias on fake tensors] in fxmem/rules/linear.py)."""
+        as real tensors run it (Note [linear's bias on fake tensors] in fxmem/rules/linear.py); inside it, the
+        counts of mixture-of-experts routing (Note [Routed sizes] in fxmem/rules/routing.py)."""
+        return functools.partial(_routed, self._target_kernels())
+
+    def _target_kernels(self) -> Callable[[], AbstractContextManager[object]]:
         amp = self.amp_dtype
         if self.cuda:
             from fxmem.gpu.target import CudaTargetMode
@@ -305,3 +312,10 @@ def amp_dtype(amp: str | None) -> torch.dtype | None:
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise InputSpecError(f"unknown {name} {value!r}; use one of: {', '.join(choices)}.")
+
+
+@contextlib.contextmanager
+def _routed(target: Callable[[], AbstractContextManager[object]]) -> Iterator[None]:
+    """The target's kernels with routing counts followed inside them (Note [Routed sizes])."""
+    with target(), RoutedSizes():
+        yield
