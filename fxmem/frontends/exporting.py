@@ -57,6 +57,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.fx as fx
@@ -209,7 +210,7 @@ def _watched_forward(model: nn.Module) -> Iterator[None]:
     Inside forward, not around ``torch.export.export``: export's own function modes, pushed after any
     mode entered outside, take the user's calls first and never hand them down. The locals are read from
     this wrapper's frame on: the frames above it are export's and the caller's, which eager does not have."""
-    forward, own = model.forward, model.__dict__.get("forward")
+    forward = model.forward
 
     @functools.wraps(forward)
     def watched(*args: Any, **kwargs: Any) -> Any:
@@ -219,14 +220,8 @@ def _watched_forward(model: nn.Module) -> Iterator[None]:
         recorder.close()
         return out
 
-    model.forward = watched  # type: ignore[method-assign]
-    try:
+    with mock.patch.object(model, "forward", watched):  # an instance attribute for the export, whatever was there before
         yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own  # type: ignore[method-assign]
 
 
 def _len(value: Any) -> Any:

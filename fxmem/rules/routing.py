@@ -76,20 +76,13 @@ class _Classes:
 
 
 @dataclass(frozen=True)
-class _Counts:
-    """Per class, how many rows are routed to it (a one-hot mask summed over every axis but the class's)."""
+class _PerClass:
+    """Per class, how many of ``total`` rows are routed to it (a one-hot mask summed over every axis but the
+    class's), or, ``hit``, whether any is (those counts ``> 0``): under an even split, the first ``routed``."""
 
     routed: int
     total: Any
-
-
-@dataclass(frozen=True)
-class _Hits:
-    """Per class, whether any row is routed to it (``mask.sum(other dims) > 0``): under an even split, the
-    first ``routed`` classes."""
-
-    routed: int
-    total: Any
+    hit: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,7 +138,8 @@ _VIEWS = frozenset(
     {"permute", "transpose", "swapaxes", "select", "__getitem__", "eq", "__eq__", "to", "bool", "int", "long", "sum", "greater", "gt", "__gt__", "ne", "__ne__"}
     | _RESHAPES
 )
-_COUNTS = frozenset({"where", "nonzero", "argwhere", "__getitem__", "index"})
+_COUNTS = frozenset({"where", "nonzero", "argwhere"})
+"""Ops whose output size is the input's count of nonzeros (indexing with a mask: ``_masked``)."""
 
 
 def _name(func: Any) -> str:
@@ -167,8 +161,9 @@ class RoutedSizes(TorchFunctionMode):
         kwargs = kwargs or {}
         name = _name(func)
         hits = self.tags.get(args[0]) if args and isinstance(args[0], torch.Tensor) and self.tags else None
-        if isinstance(hits, _Hits) and name in ("nonzero", "argwhere") and not kwargs.get("as_tuple") and _every_class_fed(hits, self.record):
-            return _every_class_hit(hits)
+        if isinstance(hits, _PerClass) and hits.hit and name in ("nonzero", "argwhere") and not kwargs.get("as_tuple"):
+            if _every_class_fed(hits, self.record):
+                return _every_class_hit(hits)
         out = func(*args, **kwargs)
         if not self.tags and name not in _SOURCES:  # no routing tensor yet: nothing to follow (most models, always)
             return out
@@ -199,16 +194,15 @@ class RoutedSizes(TorchFunctionMode):
     def _masked(self, indexer: Any, out: Any) -> bool:
         """``x[mask]`` with a class's mask: its rows are that class's count."""
         masks = indexer if isinstance(indexer, (tuple, list)) else (indexer,)
+        kept = 0  # output axes before the mask's rows: those the earlier indexers keep (``:`` and None)
         for mask in masks:
             if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and isinstance(self.tags.get(mask), _Share):
-                if isinstance(out, torch.Tensor) and out.dim() > 0:
-                    return _tell(out.shape[_mask_axis(masks, mask)], self.tags[mask], self.record)
+                return isinstance(out, torch.Tensor) and out.dim() > kept and _tell(out.shape[kept], self.tags[mask], self.record)
+            kept += mask is None or isinstance(mask, slice)
         return False
 
-    def _counted(self, name: str, tag: _Classes | _Share, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> None:
+    def _counted(self, name: str, tag: _Tag, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> None:
         """A data-dependent count made from a routing mask: told to the ShapeEnv (Note [Routed sizes])."""
-        if name in ("__getitem__", "index"):
-            return  # indexing with a mask: only where the mask is the indexer (below)
         if name == "where" and (len(args) > 1 or kwargs):
             return  # torch.where(cond, a, b): no data-dependent size
         first = out[0] if isinstance(out, (tuple, list)) else out
@@ -216,19 +210,17 @@ class RoutedSizes(TorchFunctionMode):
             return
         if isinstance(tag, _Share):
             _tell(first.shape[0], tag, self.record)
-        elif tag.dim is not None:
-            _tell_exact(first.shape[0], tag.total)
+        elif isinstance(tag, _Classes) and tag.dim is not None:
+            _told(first.shape[0], tag.total)  # a mask over every class holds exactly ``total`` nonzeros: no assumption
 
 
 def _followed(name: str, tag: _Tag, args: Sequence[Any], kwargs: Mapping[str, Any], out: torch.Tensor) -> _Tag | None:
     """The tag of a view or comparison of a tagged tensor, or None where the op loses track."""
     x = args[0]
-    if isinstance(tag, _Counts):
+    if isinstance(tag, _PerClass):
         other = args[1] if len(args) > 1 else kwargs.get("other")
         hit = name in ("greater", "gt", "__gt__", "ne", "__ne__") and isinstance(other, int) and other == 0
-        return _Hits(tag.routed, tag.total) if hit else None
-    if isinstance(tag, _Hits):
-        return None
+        return replace(tag, hit=True) if hit and not tag.hit else None
     if isinstance(tag, _Share):
         return tag if name in ("to", "bool", "int", "long") else None
     if name in ("to", "bool", "int", "long"):
@@ -241,7 +233,7 @@ def _followed(name: str, tag: _Tag, args: Sequence[Any], kwargs: Mapping[str, An
             return _Share(tag.total, tag.classes, other)
         return None
     if name == "sum" and _sums_all_but(tag.dim, x, args, kwargs):
-        return _Counts(tag.receiving, tag.total)
+        return _PerClass(tag.receiving, tag.total)
     if name == "permute":
         dims = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
         dims = [int(d) % x.dim() for d in dims]
@@ -265,11 +257,6 @@ def _class_index(name: str, tag: _Classes, args: Sequence[Any], x: torch.Tensor)
     return None
 
 
-def _mask_axis(masks: Sequence[Any], mask: torch.Tensor) -> int:
-    """The output axis a boolean mask's selected rows land on: after the axes that earlier indexers keep."""
-    return sum(1 for m in masks[: [i for i, m in enumerate(masks) if m is mask][0]] if m is None or isinstance(m, slice))
-
-
 def _tell(count: Any, share: _Share, record: bool) -> bool:
     """Class ``share.index``'s count is its part of an even split (the last class the remainder); a class
     beyond those the top-k chooses among receives no row, exactly."""
@@ -289,11 +276,6 @@ def _tell(count: Any, share: _Share, record: bool) -> bool:
                 ledger[share.classes] = routed
         return True
     return False
-
-
-def _tell_exact(count: Any, total: Any) -> None:
-    """A mask over every class holds exactly ``total`` nonzeros: no assumption."""
-    _told(count, total)
 
 
 def _told(count: Any, expected: Any, least: int = 0, strict: bool = False) -> bool:
@@ -340,7 +322,7 @@ def _spoken(value: Any) -> str:
     return str(expr.subs(names))
 
 
-_Tag = _Classes | _Share | _Counts | _Hits
+_Tag = _Classes | _Share | _PerClass
 
 
 def _sums_all_but(dim: int | None, x: torch.Tensor, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
@@ -359,7 +341,7 @@ def _real_integer(t: torch.Tensor) -> bool:
     return t.dim() == 0 and not t.dtype.is_floating_point and t.dtype != torch.bool and not is_fake(t) and not t.is_meta
 
 
-def _every_class_fed(hits: _Hits, record: bool) -> bool:
+def _every_class_fed(hits: _PerClass, record: bool) -> bool:
     """Whether an even split feeds every class (at least as many rows as classes), while exporting: only
     torch.export bakes the returned constant indices into its graph; a fake pass has no use for real ones."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -377,8 +359,15 @@ class _ClassesHit(list):  # type: ignore[type-arg]
     def numel(self) -> int:
         return len(self)
 
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"fxmem follows the experts a routing hit (nonzero of a one-hot mask's counts) in a Python loop over them, "
+            f"as transformers' eager experts do; this model uses them as a tensor (.{name}), which no trace of every routing "
+            "can do: run its experts with transformers' default grouped_mm (config._experts_implementation), or loop over them"
+        )
 
-def _every_class_hit(hits: _Hits) -> Any:
+
+def _every_class_hit(hits: _PerClass) -> Any:
     """``nonzero`` of which classes were hit, under an even split: every class that receives rows, as
     constants, so a loop over them unrolls in torch.export's graph (transformers' ``for expert_idx in
     expert_hit: expert_idx = expert_idx[0]``)."""
