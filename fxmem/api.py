@@ -17,9 +17,10 @@ from fxmem.engine.account import FIT_BATCHES, VERIFY_BATCH, account_bytes, node_
 from fxmem.engine.capture import BatchSpecialized, StepCapture, SymbolicUnsupported, capture_saved
 from fxmem.engine.losses import Loss, get_loss
 from fxmem.errors import CaptureError, FxmemError, InputSpecError
+from fxmem.frontends.adapters import forward_module, is_peft_model
 from fxmem.frontends.blocks import BlockStack
 from fxmem.frontends.checkpointing import checkpoint_regions
-from fxmem.frontends.deepen import trace_blocks
+from fxmem.frontends.deepen import trace_blocks, weights_in
 from fxmem.frontends.hf_paths import code_paths_taken
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
@@ -27,6 +28,7 @@ from fxmem.options import Hardware, Parallelism, Training, merge, spell, warn_at
 from fxmem.parallel import ParallelPlan, one_rank
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, Category, PerGpuState, StateBytes, Timeline
+from fxmem.rules.nf4_ops import quantized_kernel_notes
 from fxmem.rules.ops import layout_rules_for, op_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.rules.routing import routed_sizes_seen, routing_ledger
@@ -79,6 +81,9 @@ def analyze(
     param_dtype: torch.dtype | None = None,
     compile: bool | None = None,
     activation_memory_budget: float | None = None,
+    clip_grad_norm: float | None = None,
+    zero_grad: str | None = None,
+    keep_outputs: bool | None = None,
     target: str | None = None,
     gpu: str | None = None,
     device_memory: int | None = None,
@@ -147,10 +152,14 @@ def analyze(
     of a sharded run by DeepSpeed's formulas.
     """
     _check_model_args(model, leaf_types)
+    name = name or type(model).__name__
+    peft = is_peft_model(model)
+    model = forward_module(model)  # Note [A bare PeftModel]
     training = merge(
         training, Training,
         {"loss": loss, "optimizer": optimizer, "optimizer_impl": optimizer_impl, "precision": precision, "amp": amp, "param_dtype": param_dtype,
-         "compile": compile, "activation_memory_budget": activation_memory_budget},
+         "compile": compile, "activation_memory_budget": activation_memory_budget, "clip_grad_norm": clip_grad_norm,
+         "zero_grad": zero_grad, "keep_outputs": keep_outputs},
     )  # fmt: skip
     hardware = merge(
         hardware, Hardware,
@@ -164,11 +173,15 @@ def analyze(
          "offload": offload},
     )  # fmt: skip
     modes = [(m, m.training) for m in model.modules()]
+    as_built: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if peft and training.precision == "bf16":  # Note [A PEFT model under the bf16 recipe]
+        training, as_built = replace(training, precision=""), weights_in(model, torch.bfloat16, frozen_only=True)
     try:
-        return _analyze(
-            model, inputs, training, hardware, parallel, batch=batch, seq_len=seq_len, name=name or type(model).__name__,
-            leaf_types=leaf_types, frontend=frontend, strict=strict, peak=peak, progress=progress, bn_threshold=bn_threshold, flags=_flags,
-        )  # fmt: skip
+        with as_built:
+            return _analyze(
+                model, inputs, training, hardware, parallel, batch=batch, seq_len=seq_len, name=name,
+                leaf_types=leaf_types, frontend=frontend, strict=strict, peak=peak, progress=progress, bn_threshold=bn_threshold, flags=_flags,
+            )  # fmt: skip
     finally:
         for module, mode in modes:
             module.training = mode
@@ -176,13 +189,15 @@ def analyze(
 
 def _with_ledgers(analyze: Callable[..., Report]) -> Callable[..., Report]:
     """``analyze`` with what its passes assumed and chose in words on the report: the routing of
-    mixture-of-experts loops (Note [Routed sizes]) and the code paths taken while exporting (Note [Eager
-    code paths under torch.export])."""
+    mixture-of-experts loops (Note [Routed sizes]), the code paths taken while exporting (Note [Eager
+    code paths under torch.export]) and the 4-bit matmuls' kernels fxmem modelled rather than ran (Note
+    [The forward's dequantized copies])."""
 
     @functools.wraps(analyze)
     def run(*args: Any, **kwargs: Any) -> Report:
-        with routing_ledger() as routed, code_paths_taken() as paths:
+        with routing_ledger() as routed, code_paths_taken() as paths, quantized_kernel_notes() as quantized:
             report = analyze(*args, **kwargs)
+        paths |= quantized  # Note [The forward's dequantized copies] in fxmem/rules/nf4_ops.py
         return replace(report, routed=routed_sizes_seen(routed), paths=tuple(sorted(paths))) if routed or paths else report
 
     return run
@@ -235,6 +250,11 @@ def _analyze(
             warn_at_caller(
                 f"{spell('activation_memory_budget', training.activation_memory_budget, flags=flags)} has no effect without "
                 f"{spell('compile', True, flags=flags)}: it is the compiled step's partitioner budget; add it, or drop the budget."
+            )
+        if not peak and not setup.loop.plain:
+            warn_at_caller(
+                f"the training loop's settings ({setup.loop.describe()}) change only the simulated step, which "
+                f"{spell('peak', False, flags=flags)} skips; drop them, or simulate the step."
             )
     seq = _seq_len(specs, seq_len)
     say = progress or _silent

@@ -28,6 +28,7 @@ __all__ = [
     "SCHEDULES",
     "SHARDS",
     "TARGETS",
+    "ZERO_GRAD_PLACES",
 ]
 
 LOSSES = ("sum", "mse", "cross_entropy", "lm_cross_entropy", "model", "auto")
@@ -75,3 +76,5 @@ BN_THRESHOLD = 16
 """fxmem.cost.tradeoff.BN_THRESHOLD."""
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 """fxmem.parallel.pipeline_split.Schedule, its values (1f1b first: the default)."""
+ZERO_GRAD_PLACES = ("after-step", "before-backward")
+"""fxmem.results.ZERO_GRAD_PLACES (the default first)."""

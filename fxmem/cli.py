@@ -56,6 +56,7 @@ from fxmem.choices import (
     SCHEDULES,
     SHARDS,
     TARGETS,
+    ZERO_GRAD_PLACES,
 )
 from fxmem.errors import FxmemError, FxmemWarning, InputSpecError
 
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     from tabulate import tabulate
 
     from fxmem.api import analyze
+    from fxmem.frontends.adapters import LoraOptions
     from fxmem.frontends.load import load_leaf_types, load_model
     from fxmem.inputs import Constant, has_seq, looks_like_shape, parse_dtype, parse_inputs, parse_size
     from fxmem.measure import PeakMeasurement, materialize, measure, measure_peak
@@ -81,6 +83,7 @@ _ENGINE: dict[str, tuple[str, str | None]] = {
     "torch": ("torch", None),
     "tabulate": ("tabulate", "tabulate"),
     "analyze": ("fxmem.api", "analyze"),
+    "LoraOptions": ("fxmem.frontends.adapters", "LoraOptions"),
     "load_leaf_types": ("fxmem.frontends.load", "load_leaf_types"),
     "load_model": ("fxmem.frontends.load", "load_model"),
     "Constant": ("fxmem.inputs", "Constant"),
@@ -212,7 +215,8 @@ def _model_options(g: _Groups) -> None:
     m.add_argument("--loss", choices=LOSSES, help="the loss of the step (default: the model's own, else sum)")
     m.add_argument("--seq-len", type=_positive_int, metavar="S", help="the length a symbolic sequence axis S (--input B,S:int64) is evaluated at; for hf: specs also the length of the default inputs (default: the config's context, at most 2048)")
     m.add_argument("--config", nargs="+", default=[], metavar="KEY=VALUE", help="hf: specs: config overrides, e.g. --config n_layer=4 hidden_size=256")
-    m.add_argument("--checkpoint", action="store_true", help="hf: specs: turn on transformers' activation checkpointing (every layer, non-reentrant)")
+    m.add_argument("--grad-checkpointing", "--checkpoint", dest="checkpoint", action="store_true", help="hf: specs: turn on transformers' activation checkpointing as model.gradient_checkpointing_enable() does (every layer, non-reentrant; the embeddings' output made to require grad, so a frozen base passes gradients to an adapter)")
+    m.add_argument("--lora", metavar="r=R,alpha=A,targets=M1,M2[,dropout=P]", help="add a LoRA adapter with peft (pip install peft) as get_peft_model does: rank r, alpha, the target modules by name (or all-linear; default peft's for the model type), dropout; the base is frozen, and with --precision bf16 on an hf: spec it is built in bf16 while the adapter stays fp32, as peft keeps it. E.g. --lora r=16,alpha=32,targets=q_proj,v_proj")
     g.advanced.add_argument("--frontend", choices=FRONTENDS, default="auto", help="how to get the graph: torch.fx, torch.export, or fx then export (default auto)")
     g.advanced.add_argument("--leaf", action="append", default=[], metavar="MODULE_TYPE", help=_LEAF_HELP)
 
@@ -234,12 +238,20 @@ def _setup_options(g: _Groups, target: str | None = "cuda") -> None:
     t.add_argument("--amp", choices=AMP_DTYPES, help="run the forward and the loss under autocast in this dtype, with the target's cast policy")
     t.add_argument("--precision", choices=list(RECIPES), metavar="RECIPE", help=f"how the state is held: {'; '.join(f'{k}: {summary}' for k, summary in RECIPES.items())} (default amp with --amp, else fp32). Recipes with bf16 weights ({', '.join(BF16_WEIGHT_RECIPES)}) also change what the step computes: the forward runs with the weights in bfloat16, as after model.to(torch.bfloat16), and float32 --input is fed as bfloat16; fp32 and amp keep the model's own weights")
     t.add_argument("--optimizer-impl", choices=IMPLS, help="the optimizer's implementation (default: what torch picks on the target: foreach on CUDA, for-loop on the CPU)")
+    _loop_options(t)
     _parallel_options(g.parallel)
     a = g.advanced
     a.add_argument("--torch-version", metavar="X.Y", help="with --target cuda: the torch release the training job runs, where kernel choices changed between releases (SDPA's backend, cuBLASLt's workspace); default: the one fxmem runs with")
     a.add_argument("--overhead", action="append", default=[], metavar="NAME=SIZE", help="override a fixed CUDA cost, e.g. --overhead cuda_context=600MiB; see the report's device lines for the names")
     a.add_argument("--alloc-conf", default="", metavar="CONF", help="with --target cuda: PYTORCH_CUDA_ALLOC_CONF as your job sets it, e.g. expandable_segments:True or max_split_size_mb:512,garbage_collection_threshold:0.6 (default: torch's defaults); the step is replayed through the caching allocator so set up")
     a.add_argument("--memory-fraction", type=float, metavar="F", help="with --target cuda: torch.cuda.set_per_process_memory_fraction(F) as your job calls it: reserved memory may not pass F x the device's memory")
+
+
+def _loop_options(t: Any) -> None:
+    """The training loop around the step: what it does beyond forward, loss, backward and optimizer.step()."""
+    t.add_argument("--clip-grad-norm", type=float, metavar="MAX", help="the loop clips the gradients between loss.backward() and optimizer.step() with torch.nn.utils.clip_grad_norm_(model.parameters(), MAX); the step then also holds the per-gradient norms and the clip factor it computes (default: no clipping)")
+    t.add_argument("--zero-grad", choices=ZERO_GRAD_PLACES, default=ZERO_GRAD_PLACES[0], help="where the loop calls optimizer.zero_grad(): after-step, after optimizer.step() (the default: the gradients are freed before the next forward), or before-backward, after the loss and just before loss.backward() (the last step's gradients then stay alive through the next forward)")
+    t.add_argument("--keep-outputs", action="store_true", help="the loop keeps each step's output and loss until the next step's replace them, as 'for x in data: out = model(x); loss = loss_fn(out, y)' does: the last step's output (an LLM's logits, batch x sequence x vocabulary) stays alive through the next forward (default: dropped at the end of each step)")
 
 
 def _parallel_options(p: Any) -> None:
@@ -272,6 +284,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         "torch_version": args.torch_version, "fsdp": args.fsdp, "offload": args.offload, "fsdp_units": args.fsdp_unit, "tp": args.tp, "tp_plan": _tp_plan(args.tp_plan), "sp": args.sp,
         "pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule, "pp_splits": args.pp_split,
         "stages_per_rank": args.stages_per_rank, "alloc_conf": args.alloc_conf, "memory_fraction": args.memory_fraction,
+        "clip_grad_norm": args.clip_grad_norm, "zero_grad": args.zero_grad, "keep_outputs": args.keep_outputs,
         "_flags": True,  # a note names the setting as its flag (--world-size), not as the API's field
     }  # fmt: skip
 
@@ -470,7 +483,10 @@ class _Progress:
 
 def _load(args: argparse.Namespace, say: Callable[[str], None]) -> ModelSpec:
     say(f"loading {args.spec}")
-    spec = load_model(args.spec, hf_config=_config_overrides(args.config), seq_len=args.seq_len, checkpoint=args.checkpoint)
+    precision = getattr(args, "precision", None)
+    lora = LoraOptions.parse(args.lora) if args.lora else None
+    dtype = torch.bfloat16 if precision in BF16_WEIGHT_RECIPES and args.spec.startswith("hf:") else None  # built as from_pretrained(dtype=...)
+    spec = load_model(args.spec, hf_config=_config_overrides(args.config), seq_len=args.seq_len, checkpoint=args.checkpoint, dtype=dtype, lora=lora)
     loss = args.loss or spec.loss
     if args.loss is None and loss not in LOSSES:
         raise InputSpecError(f"model '{args.spec}' asks for loss '{loss}', which fxmem does not know; pass --loss, one of {', '.join(LOSSES)}.")
@@ -547,7 +563,7 @@ def _analyze(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     device_memory = parse_size(args.device_memory, "--device-memory") if args.device_memory else None
     spec = _load(args, say)
     report = analyze(
-        spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=args.spec, param_dtype=param_dtype,
+        spec.model, spec.inputs, loss=spec.loss, optimizer=opt, batch=args.batch, name=spec.name if args.lora else args.spec, param_dtype=param_dtype,
         device_memory=device_memory, leaf_types=load_leaf_types(args.leaf, spec.model), frontend=args.frontend,
         seq_len=_analysis_seq_len(args, spec), strict=args.strict, peak=not args.no_peak, progress=say, bn_threshold=args.bn_threshold,
         compile=args.compile, activation_memory_budget=args.activation_memory_budget, **_setup(args),
@@ -649,7 +665,7 @@ def _measure_compiled(args: argparse.Namespace, say: Callable[[str], None]) -> s
     if args.peak:
         measured = measure_peak(
             model, spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step, seq_len=report.seq_len,
-            optimizer_impl=args.optimizer_impl, compile=True, activation_memory_budget=args.activation_memory_budget,
+            optimizer_impl=args.optimizer_impl, compile=True, activation_memory_budget=args.activation_memory_budget, training=_loop(args),
         )  # fmt: skip
         return "torch.compile(model), default mode\n\n" + _peak_comparison(compiled.steps.peak(args.batch, first_step=args.first_step), measured)
     total = measure(model, spec.inputs, args.batch, loss=spec.loss, seq_len=report.seq_len, compile=True, activation_memory_budget=args.activation_memory_budget).total
@@ -705,12 +721,15 @@ def _check_measurable(args: argparse.Namespace) -> None:
     flags["--torch-version"] = args.torch_version is not None  # the real run is the installed torch's
     flags["--alloc-conf"] = bool(args.alloc_conf)  # a real CUDA run reads PYTORCH_CUDA_ALLOC_CONF from its environment
     flags["--memory-fraction"] = args.memory_fraction is not None
+    loop = {"--clip-grad-norm": args.clip_grad_norm is not None, "--zero-grad": args.zero_grad != "after-step", "--keep-outputs": args.keep_outputs}
+    if not args.peak or args.fsdp != 1 or args.tp != 1 or args.pp != 1:  # a forward alone, or ranks that run the default loop
+        flags |= loop
     if not args.peak:
         flags |= {"--amp": args.amp is not None, "--optimizer-impl": args.optimizer_impl is not None, "--overhead": bool(args.overhead)}
     given = [name for name, on in flags.items() if on]
     if given:
         what = "measure --peak runs one real step" if args.peak else "measure runs one real forward on the CPU"
-        keep = " (--amp and --optimizer-impl do apply)" if args.peak else " (with --peak, --amp and --optimizer-impl apply)"
+        keep = " (--amp and --optimizer-impl do apply)" if args.peak else " (with --peak, --amp, --optimizer-impl and the loop's --clip-grad-norm, --zero-grad and --keep-outputs apply)"
         raise InputSpecError(
             f"{what} on one device with the model's own dtypes: {', '.join(given)} apply to 'fxmem analyze' only; drop them here{keep}."
         )
@@ -730,9 +749,16 @@ def _measure_peak(args: argparse.Namespace, say: Callable[[str], None]) -> str:
     say(f"running one training step for real on the {device.upper()} at B={args.batch}")
     measured = measure_peak(
         materialize(spec.model), spec.inputs, args.batch, loss=spec.loss, optimizer=opt, first_step=args.first_step,
-        seq_len=report.seq_len, device=device, amp=args.amp, optimizer_impl=args.optimizer_impl,
+        seq_len=report.seq_len, device=device, amp=args.amp, optimizer_impl=args.optimizer_impl, training=_loop(args),
     )  # fmt: skip
     return _peak_comparison(predicted, measured, device)
+
+
+def _loop(args: argparse.Namespace) -> Any:
+    """The training loop of --clip-grad-norm, --zero-grad and --keep-outputs, as ``measure_peak``'s ``training``."""
+    from fxmem.options import Training
+
+    return Training(clip_grad_norm=args.clip_grad_norm, zero_grad=args.zero_grad, keep_outputs=args.keep_outputs)
 
 
 def _measure_ranks(args: argparse.Namespace, spec: ModelSpec, report: Report, predicted: Peak, say: Callable[[str], None]) -> str:

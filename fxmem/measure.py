@@ -38,20 +38,24 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from fxmem.engine.account import node_bytes_at
+from fxmem.engine.binding import storage_parts
 from fxmem.engine.capture import record_real
 from fxmem.engine.losses import Loss, get_loss
 from fxmem.engine.recompute import selective_caches
 from fxmem.errors import CaptureError, FxmemError, InputSpecError
+from fxmem.frontends.adapters import forward_module
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.tracing import trace_model
 from fxmem.inputs import InputSpec, InputSpecs, call_arguments, check_batch, make_input, parse_inputs, tensors_of
 from fxmem.options import Training, merge
-from fxmem.results import Phase
+from fxmem.results import Loop, Phase
+from fxmem.rules.nf4 import stored_tensors
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.step.state import get_optimizer
-from fxmem.step.training import amp_dtype
+from fxmem.step.training import amp_dtype, check_loop
 
 __all__ = ["Measurement", "PeakMeasurement", "materialize", "measure", "measure_peak"]
 
@@ -106,7 +110,7 @@ def measure(
         return Measurement(batch, total, {"(compiled)": total})
     with _real_run(model, batch, real=real):
         total = _eager_total(real, specs, loss_fn, batch, seq_len)
-    traced = trace_model(real, specs, leaf_types=leaf_types, frontend=frontend)
+    traced = trace_model(forward_module(real), specs, leaf_types=leaf_types, frontend=frontend)  # Note [A bare PeftModel]
     capture = record_real(traced.gm, specs, loss=loss_fn, batch=batch, seq=seq_len)
     return Measurement(batch, total, node_bytes_at(capture))
 
@@ -205,7 +209,8 @@ def _eager_total(
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         alive.append(t)
-        seen.setdefault(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        for part in storage_parts(t):  # See Note [A sparse tensor's storages] in fxmem/engine/binding.py
+            seen.setdefault(StorageWeakRef(part.untyped_storage()), part.untyped_storage().nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), selective_caches() as caches:
@@ -240,7 +245,7 @@ class PeakMeasurement:
     the CPU the baseline plus the profiler's running sum at its highest inside the phase's range."""
 
 
-_PHASE_RANGE = "fxmem::"
+_PHASE_RANGE = "fxmem.phase::"  # not "fxmem::", the namespace of fxmem's own ops (fxmem::cache_cat), which the profiler lists too
 
 
 def measure_peak(
@@ -263,9 +268,11 @@ def measure_peak(
     """Run one real training step at ``batch`` and measure its peak.
 
     The step is ``out = model(batch)``, the loss, ``backward()``, ``optimizer.step()`` and
-    ``zero_grad(set_to_none=True)``. A steady step (``first_step=False``) is preceded by one
+    ``zero_grad(set_to_none=True)``, or the loop ``training`` describes (``Training.clip_grad_norm``,
+    ``zero_grad`` and ``keep_outputs``: ``_real_step``). A steady step (``first_step=False``) is preceded by one
     real step outside the measurement, which creates the optimizer state of every parameter that
-    receives a gradient (and of no other: a layer that backward never reaches has none). On the CPU the peak
+    receives a gradient (and of no other: a layer that backward never reaches has none), and leaves
+    what the loop holds from it (gradients, outputs) alive into the measured step. On the CPU the peak
     comes from torch.profiler (Note [Reading the peak from the profiler]); with ``device="cuda"`` from
     ``torch.cuda.max_memory_allocated``, read per phase. ``amp`` ("bf16"/"fp16") runs the forward and
     the loss under ``torch.autocast`` on ``device``; ``optimizer_impl`` picks the optimizer's
@@ -278,12 +285,14 @@ def measure_peak(
     """
     check_batch(batch)
     keywords = {"loss": loss, "optimizer": optimizer, "amp": amp, "optimizer_impl": optimizer_impl}
-    setup = _measured(merge(training, Training, keywords), "measure_peak", tuple(keywords))
+    setup = _measured(merge(training, Training, keywords), "measure_peak", (*keywords, *_LOOP_FIELDS))
     loss, optimizer, amp, optimizer_impl = setup.loss, setup.optimizer, setup.amp, setup.optimizer_impl
+    loop, carried = _loop(setup)
     specs, loss_fn, rule = parse_inputs(inputs), get_loss(loss), get_optimizer(optimizer)
     autocast = _autocast(torch.device(device).type, amp)
     torch.manual_seed(seed)
-    real = materialize(model).train().to(device)
+    real = _on_device(materialize(model).train(), device)
+    real.zero_grad(set_to_none=True)  # a loop's first step starts without gradients (a model run before may hold some)
     tensors = [_to(make_input(s, batch, seq_len), device) for s in specs]
     args, kwargs = call_arguments(specs, tensors)
     name = type(model).__name__
@@ -298,32 +307,78 @@ def measure_peak(
     if compile:
         with _real_run(model, batch, "compiled CPU", real=real):
             runner = _compiled_for_real(real, specs, loss_fn, batch, seq_len, device, activation_memory_budget)
+    unranged: Around = lambda _: contextlib.nullcontext()
+    warm_up = lambda: _real_step(runner, args, kwargs, loss_fn, target, opt, name, unranged, autocast, loop, carried)
+    profiled = not first_step and _holds_over(loop) and torch.device(device).type == "cpu"  # Note [A warm-up step the profiler sees]
     with _real_run(model, batch, real=real):
         opt = _optimizer(real, rule, optimizer_impl)
-        if not first_step:  # one real step beforehand: state for exactly the parameters that get gradients
-            _real_step(runner, args, kwargs, loss_fn, target, opt, name, lambda _: contextlib.nullcontext(), autocast)
+        if not first_step and not profiled:  # one real step beforehand: state for exactly the parameters that get gradients
+            warm_up()
     device_ = torch.device(device)
     on_device = lambda t: t.device.type == device_.type
     held = [*real.parameters(), *real.buffers(), *tensors_of(specs, tensors), *([target] if target is not None else [])]
+    held = [s for t in held for s in stored_tensors(t)]  # a 4-bit weight's scales and tables, an NF4Tensor's inner tensors (Note [What a 4-bit weight holds])
     held += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor) and on_device(t)]
+    held += _held_over(real, loop, carried)
     baseline = sum({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in held}.values())
+    del held  # the gradients and outputs held from the step before go when the loop drops them, not later
     if torch.device(device).type == "cuda":
         with _real_run(model, batch, "CUDA", real=real):
-            peaks = _cuda_peaks(lambda around: _real_step(runner, args, kwargs, loss_fn, target, opt, name, around, autocast))
+            step = lambda around: _real_step(runner, args, kwargs, loss_fn, target, opt, name, around, autocast, loop, carried)
+            peaks = _cuda_peaks(step)
         phase = max(peaks, key=lambda p: peaks[p][0])
         allocated = {p: top for p, (top, _) in peaks.items()}
         return PeakMeasurement(batch, first_step, allocated[phase], phase, baseline, {}, max(r for _, r in peaks.values()), allocated)
     with _real_run(model, batch, real=real), _quiet_stderr(), _profiled() as prof:
-        _real_step(runner, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast)
-    top, at, phase, tops = _highest(prof)
+        if profiled:
+            warm_up()
+        _real_step(runner, args, kwargs, loss_fn, target, opt, name, _profiler_range, autocast, loop, carried)
+    top, at, phase, tops = _highest(prof, after_warm_up=profiled)
     phases = {p: baseline + t for p, t in tops.items()}
-    return PeakMeasurement(batch, first_step, baseline + top, phase, baseline, _categories_at(prof, at), None, phases)
+    start = baseline + (_left_by_warm_up(prof) if profiled else 0)
+    return PeakMeasurement(batch, first_step, baseline + top, phase, start, _categories_at(prof, at), None, phases)
+
+
+# Note [A warm-up step the profiler sees]
+#     The profiler reports the release of a block only where it saw the block's allocation (c10's
+#     CPUAllocator warns "Memory block of unknown size was allocated before the profiling started,
+#     profiler results will not include the deallocation event"). What a default loop carries into a
+#     steady step (the optimizer state) lives through it, so the warm-up step runs unprofiled and its
+#     state is counted storage by storage. A loop that holds gradients or outputs into the next step
+#     frees them inside it, so there the warm-up step runs under the profiler too, without phase
+#     ranges: its allocations and releases count toward the running sum, the highest point is taken
+#     from the measured step's first phase on, and the step starts with what the warm-up left.
+
+
+def _holds_over(loop: Loop) -> bool:
+    """Whether ``loop`` carries into the next step storages that step frees (gradients, outputs)."""
+    return loop.zero_grad == "before-backward" or loop.keep_outputs
+
+
+def _left_by_warm_up(prof: torch.profiler.profile) -> int:
+    """Bytes the profiled warm-up step left allocated: its events' sum, up to the first phase range
+    (Note [A warm-up step the profiler sees])."""
+    from torch._C._profiler import _EventType
+
+    events = _events(prof)
+    start = min((e.start_time_ns for e in events if _name(e).startswith(_PHASE_RANGE)), default=0)
+    return sum(e.typed[1].alloc_size for e in events if e.typed[0] == _EventType.Allocation and e.start_time_ns < start)
+
+
+def _on_device(model: nn.Module, device: str) -> nn.Module:
+    """``model.to(device)``, unless it is there already: ``.to`` swaps a wrapper-subclass weight (torchao's
+    ``NF4Tensor``) even onto its own device, which ``torch.utils.swap_tensors`` refuses while an exported
+    graph's fake tensors keep a weakref to it (a report made by torch.export holds them)."""
+    target = torch.device(device)
+    tensors = [*model.parameters(), *model.buffers()]
+    same = all(t.device.type == target.type and (target.index is None or t.device.index == target.index) for t in tensors)
+    return model if same else model.to(device)
 
 
 def _measured(training: Training, call: str, taken: tuple[str, ...]) -> Training:
     """``training``, where the real run applies every field it sets (``taken``); else an InputSpecError."""
     default = Training()
-    fields = ("loss", "optimizer", "optimizer_impl", "precision", "amp", "param_dtype")
+    fields = ("loss", "optimizer", "optimizer_impl", "precision", "amp", "param_dtype", *_LOOP_FIELDS)
     extra = [f for f in fields if f not in taken and getattr(training, f) != getattr(default, f)]
     if extra:
         raise InputSpecError(
@@ -331,6 +386,35 @@ def _measured(training: Training, call: str, taken: tuple[str, ...]) -> Training
             f"{getattr(training, extra[0])!r} has no real form here: leave it at its default (cast the model yourself for a dtype)."
         )
     return training
+
+
+_LOOP_FIELDS = ("clip_grad_norm", "zero_grad", "keep_outputs")
+"""``Training``'s fields that describe the loop around the step, which ``measure_peak`` runs for real."""
+
+
+@dataclass
+class _Carried:
+    """What a loop with ``Loop.keep_outputs`` holds between steps: the last step's output and loss,
+    dropped only when the next step's replace them (``out = model(x)``, ``loss = ...``)."""
+
+    out: Any = None
+    value: torch.Tensor | None = None
+
+
+def _loop(training: Training) -> tuple[Loop, _Carried | None]:
+    """The loop ``training`` describes, checked as ``analyze`` checks it, and where it keeps outputs, their holder."""
+    loop = Loop(training.clip_grad_norm, training.zero_grad, training.keep_outputs)
+    check_loop(loop)
+    return loop, _Carried() if loop.keep_outputs else None
+
+
+def _held_over(model: nn.Module, loop: Loop, carried: _Carried | None) -> list[torch.Tensor]:
+    """What the loop holds from the step before when the measured step starts: the gradients where
+    zero_grad runs before backward, the last output and loss where it keeps them (Note [What a loop
+    holds from the step before] in fxmem/step/timeline.py)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None] if loop.zero_grad == "before-backward" else []
+    kept = tree_leaves((carried.out, carried.value)) if carried is not None else []
+    return grads + [t for t in kept if isinstance(t, torch.Tensor)]
 
 
 def _to(value: Any, device: str | torch.device) -> Any:
@@ -406,20 +490,34 @@ def _real_step(
     name: str,
     around: Around,
     autocast: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+    loop: Loop = Loop(),
+    carried: _Carried | None = None,
 ) -> None:
-    """The step users write, each phase wrapped by ``around``; ``out`` and the loss live until its end.
-    The forward and the loss run inside ``autocast()``, as under ``torch.autocast``."""
+    """The step users write, each phase wrapped by ``around``; ``out`` and the loss live until its end
+    (and on into the next step in ``carried``, where given). The forward and the loss run inside
+    ``autocast()``, as under ``torch.autocast``; ``loop`` places zero_grad and clips as the user's loop does."""
     with autocast():
         with around(Phase.FORWARD):
             out = model(*args, **kwargs)
+        if carried is not None:
+            carried.out = out  # ``out = model(x)``: the last step's output is dropped only now
         with around(Phase.LOSS):
             value = loss.compute(loss.select(out, name), target)
+        if carried is not None:
+            carried.value = value
+    if loop.zero_grad == "before-backward":
+        with around(Phase.ZERO_GRAD):
+            opt.zero_grad(set_to_none=True)
     with around(Phase.BACKWARD):
         value.backward()
+    if loop.clip_grad_norm is not None:
+        with around(Phase.CLIP):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip_grad_norm)  # torch's defaults: foreach=None
     with around(Phase.OPTIMIZER):
         opt.step()
-    with around(Phase.ZERO_GRAD):
-        opt.zero_grad(set_to_none=True)
+    if loop.zero_grad == "after-step":
+        with around(Phase.ZERO_GRAD):
+            opt.zero_grad(set_to_none=True)
     del out, value
 
 
@@ -443,10 +541,12 @@ def _name(event: object) -> str:
 
 
 def _highest(
-    prof: torch.profiler.profile, leave_out: Callable[[list[Any]], set[int]] | None = None
+    prof: torch.profiler.profile, leave_out: Callable[[list[Any]], set[int]] | None = None, *, after_warm_up: bool = False
 ) -> tuple[int, int, Phase, dict[Phase, int]]:
     """(highest running sum of allocations and frees, the time it is reached, its phase, and the highest
-    running sum inside each phase's range). ``leave_out`` names allocation events (by ``id``) not to count."""
+    running sum inside each phase's range). ``leave_out`` names allocation events (by ``id``) not to count.
+    ``after_warm_up``: events before the first phase range (a warm-up step's) count toward the running
+    sum, not toward the highest point (Note [A warm-up step the profiler sees])."""
     from torch._C._profiler import _EventType
 
     events = _events(prof)
@@ -458,8 +558,11 @@ def _highest(
         allocations = [e for e in allocations if id(e) not in skipped]
     running, top, at = 0, 0, 0
     tops: dict[Phase, int] = {}
+    step = min((start for start, _, _ in ranges), default=0) if after_warm_up else 0
     for e in allocations:
         running += e.typed[1].alloc_size
+        if e.start_time_ns < step:
+            continue
         if running > top:
             top, at = running, e.start_time_ns
         inside = next((p for start, end, p in ranges if start <= e.start_time_ns <= end), None)

@@ -67,6 +67,17 @@ class Training:
     """With ``compile``: ``torch._functorch.config.activation_memory_budget``, what the partitioner may
     save, from 0.0 (what checkpointing the whole compiled region saves) to 1.0 (torch's default, its
     min-cut); lower recomputes more in backward."""
+    clip_grad_norm: float | None = None
+    """The loop clips the gradients with ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``
+    between ``loss.backward()`` and ``optimizer.step()``, at this max_norm; None: no clipping."""
+    zero_grad: str = "after-step"
+    """Where the loop calls ``optimizer.zero_grad()``: "after-step" (after ``optimizer.step()``) or
+    "before-backward" (after the loss, just before ``loss.backward()``: a steady step then holds the
+    last step's gradients through its forward and loss)."""
+    keep_outputs: bool = False
+    """The loop holds each step's output and loss until the next ones replace them, as
+    ``for x in data: out = model(x); loss = loss_fn(out)`` does: a steady step then holds the last
+    step's outputs (an LLM's B x S x vocab logits) through its forward."""
 
 
 @dataclass(frozen=True)

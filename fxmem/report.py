@@ -8,11 +8,12 @@ name it in annotations only (under ``TYPE_CHECKING``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxmem.cost.tradeoff import TradeoffRow, batches_to_try, batchnorm_caveat, flop_count, step_estimate
+from fxmem.cost.tradeoff import TradeoffRow, batches_to_try, batchnorm_caveat, flop_count, padded_lengths, step_estimate
 from fxmem.errors import InputSpecError, NotSimulatedError
 from fxmem.gpu.gpus import get_gpu
 from fxmem.inputs import InputSpec, check_batch
@@ -254,8 +255,23 @@ class Report:
         state = self.state_per_gpu
         for b in batches:
             t = self.step_time(b)
-            rows.append(TradeoffRow(b, state, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share))
+            worst = max(self.length_peaks(b), key=lambda row: (row[1], row[0]), default=None)  # a tie: the longest
+            rows.append(TradeoffRow(
+                b, state, self.activation_bytes(b), self.peak(b).bytes, self.step_bytes(b), t.seconds, t.samples_per_second(b), t.peak_share,
+                None if worst is None else (worst[1], worst[0]),
+            ))  # fmt: skip
         return tuple(rows)
+
+    def length_peaks(self, batch: int | None = None) -> tuple[tuple[int, int], ...]:
+        """(length, what the device must hold) for batches padded to shorter lengths than ``seq_len``:
+        Note [The longest padded batch]. Empty where no input has a symbolic sequence axis S, or below
+        B=2, whose step was simulated at ``seq_len`` only."""
+        batch = self.batch if batch is None else batch
+        steps = self.steps
+        if self.seq_len is None or steps is None or batch < 2 or steps.symbolic_timeline() is None:
+            return ()
+        at = lambda s: dataclasses.replace(steps, seq=s, _points={}, _device={}, _steady={})
+        return tuple((s, int(at(s).device_bytes(batch, self.device_memory))) for s in padded_lengths(self.seq_len))
 
     def batchnorm_caveat(self) -> str:
         """The batch-norm caveat where batch-statistics layers meet a small per-device batch, else ""."""

@@ -24,6 +24,7 @@ __all__ = [
     "EstimatedBytes",
     "Kind",
     "LayerRow",
+    "Loop",
     "MemoryEvent",
     "ModelSpec",
     "NodeInfo",
@@ -40,6 +41,7 @@ __all__ = [
     "Verdict",
     "WorkspaceBound",
     "WorkspaceLines",
+    "ZERO_GRAD_PLACES",
 ]
 
 
@@ -65,6 +67,8 @@ class Phase(StrEnum):
     FORWARD = "forward"
     LOSS = "loss"
     BACKWARD = "backward"
+    CLIP = "clip_grad_norm"
+    """``torch.nn.utils.clip_grad_norm_`` between backward and the optimizer step, where the loop clips (``Loop.clip_grad_norm``)."""
     OPTIMIZER = "optimizer step"
     ZERO_GRAD = "zero_grad"
 
@@ -179,6 +183,37 @@ class EstimatedBytes:
     bound: int
 
 
+ZERO_GRAD_PLACES = ("after-step", "before-backward")
+"""Where a training loop calls ``optimizer.zero_grad()``: after ``optimizer.step()``, or after the loss,
+just before ``loss.backward()``."""
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What the training loop around the step does beyond forward, loss, backward and the optimizer
+    step. The defaults are the loop fxmem simulates unless told otherwise: no clipping, and
+    ``zero_grad(set_to_none=True)`` after ``optimizer.step()``, ``out`` and the loss dropped each step.
+    See Note [What a loop holds from the step before] in fxmem/step/timeline.py."""
+
+    clip_grad_norm: float | None = None
+    """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` between backward and the step, at this max_norm."""
+    zero_grad: str = "after-step"
+    """One of ``ZERO_GRAD_PLACES``: where ``optimizer.zero_grad(set_to_none=True)`` runs."""
+    keep_outputs: bool = False
+    """The loop holds each step's output and loss until the next ones replace them (``out = model(x)``)."""
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is the default loop, whose steady step holds nothing of the step before but state."""
+        return self == Loop()
+
+    def describe(self) -> str:
+        """The loop's settings that differ from the defaults, in words ("" for the default loop)."""
+        parts = [f"clip_grad_norm_(max_norm={self.clip_grad_norm:g})"] if self.clip_grad_norm is not None else []
+        parts += ["zero_grad before backward"] if self.zero_grad == "before-backward" else []
+        return ", ".join(parts + (["outputs kept across steps"] if self.keep_outputs else []))
+
+
 @dataclass(frozen=True)
 class Timeline:
     """Every allocation and release of one training step, in order, on top of what lives before it.
@@ -207,6 +242,9 @@ class Timeline:
     corrected: tuple[Callable[[int], bool], ...] = ()
     """Checks like ``checks`` whose kernels' events say what they are at any batch (``MemoryEvent.at_batch``):
     where one says no, ``at_batch`` gives the step there without simulating it."""
+    loop: Loop = Loop()
+    """The training loop the step runs in, which decides what a steady step holds from the step before
+    (``steady_step`` in fxmem/step/timeline.py)."""
 
     def exact_at(self, batch: int) -> bool:
         return all(check(batch) for check in self.checks) and all(check(batch) for check in self.corrected)
@@ -448,10 +486,23 @@ class StateBytes:
     """An fp32 master copy of the trainable weights the optimizer updates (mixed-precision recipes)."""
     precision: str = ""
     """The recipe of fxmem/step/precision.py the bytes follow; "" when each parameter kept its own dtype."""
+    frozen_by_dtype: Mapping[str, int] = field(default_factory=dict)
+    """The part of ``weights_by_dtype`` held by parameters that do not require grad (a fine-tuned base
+    under a PEFT adapter): they have no gradient, master copy or optimizer state."""
 
     @property
     def total(self) -> int:
         return self.weights + self.buffers + self.gradients + self.master + self.optimizer
+
+    @property
+    def frozen_weights(self) -> int:
+        return sum(self.frozen_by_dtype.values())
+
+    @property
+    def trainable_by_dtype(self) -> dict[str, int]:
+        """Weight bytes of the trainable parameters by dtype."""
+        left = {d: n - self.frozen_by_dtype.get(d, 0) for d, n in self.weights_by_dtype.items()}
+        return {d: n for d, n in left.items() if n}
 
 
 @dataclass(frozen=True)

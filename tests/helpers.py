@@ -67,13 +67,16 @@ def assert_step_peak(model: nn.Module, inputs: list[str], batch: int, *, loss: s
         assert measured.phases[predicted.phase] >= measured.bytes - CRUMBS
 
 
-def tiny_llama(vocab_size: int = 97) -> nn.Module:
+def tiny_llama(vocab_size: int = 97, *, use_cache: bool = True) -> nn.Module:
     """A HF Llama test config (2 layers, d=32, 4 heads sharing 2 key/value heads), seeded; callers
-    skip first with ``pytest.importorskip("transformers")``."""
+    skip first with ``pytest.importorskip("transformers")``. ``use_cache=False`` for a step whose
+    layers a test checkpoints itself: transformers runs checkpointed layers without a cache, and a
+    real checkpoint's recompute would update one again."""
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        use_cache=use_cache,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)

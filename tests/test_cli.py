@@ -269,6 +269,7 @@ def test_the_parser_choices_equal_the_registries() -> None:
     from fxmem.parallel.pipeline_split import Schedule
     from fxmem.planner.search import DEFAULT_LEVERS, LEVERS
     from fxmem.rules.optimizers import IMPLS, OPTIMIZERS
+    from fxmem.results import ZERO_GRAD_PLACES
     from fxmem.step.precision import RECIPES
     from fxmem.step.training import AMP_DTYPES, DEFAULT_GPU, SHARDS, TARGETS
 
@@ -280,6 +281,7 @@ def test_the_parser_choices_equal_the_registries() -> None:
     assert choices.FORMATS == tuple(FORMATS) and choices.MAX_ROWS == MAX_ROWS and choices.BN_THRESHOLD == BN_THRESHOLD
     assert choices.LEVERS == tuple(LEVERS) and choices.DEFAULT_LEVERS == tuple(DEFAULT_LEVERS)
     assert sorted(choices.SCHEDULES) == sorted(s.value for s in Schedule) and choices.SCHEDULES[0] == "1f1b"
+    assert choices.ZERO_GRAD_PLACES == ZERO_GRAD_PLACES
 
 
 def test_the_package_exports_every_name_lazily() -> None:

@@ -97,7 +97,8 @@ def test_preparing_restores_what_it_added_and_leaves_other_models_alone() -> Non
     assert not hasattr(model.config, "decoder_start_token_id")
     with prepared_for_training(model):
         assert model.config.decoder_start_token_id == 0
-        assert not any(m.config.use_cache for m in (model, model.encoder, model.decoder))
+        # The cache stays as the user's config says (Note [The cache a training forward builds])
+        assert model.config.use_cache is True and model.decoder.config.use_cache is True
     assert not hasattr(model.config, "decoder_start_token_id")
     assert model.config.use_cache is True and model.decoder.config.use_cache is True
     plain = nn.Linear(2, 2)

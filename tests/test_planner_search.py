@@ -103,7 +103,7 @@ def _unet() -> tuple[torch.nn.Module, list[str] | dict[str, str], str]:
 def _llama() -> tuple[torch.nn.Module, list[str] | dict[str, str], str]:
     """A HF Llama test config (2 layers, d=32) on 64 tokens, its own loss."""
     pytest.importorskip("transformers")
-    return tiny_llama(), {"input_ids": "B,64:int64", "labels": "B,64:int64"}, "model"
+    return tiny_llama(use_cache=False), {"input_ids": "B,64:int64", "labels": "B,64:int64"}, "model"  # checkpointed for real
 
 
 @pytest.mark.parametrize(("build", "cut"), [(_vit, 3), (_unet, 20), (_llama, 10)], ids=["vit", "unet", "hf-llama"])

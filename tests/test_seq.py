@@ -83,3 +83,22 @@ def test_on_the_gpu_attention_keeps_no_s_squared_term(meta_gpt: torch.nn.Module,
     report = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=16, target="cuda", amp=amp)
     assert not [term for term in report.activations.seq_terms if term[1] >= 2]
     assert "S^2" not in report.activations.polynomial()
+
+
+def test_the_longest_padded_batch_and_the_lengths_below_it(meta_gpt: torch.nn.Module) -> None:
+    # Note [The longest padded batch]: --seq-len is the longest padded batch; the lengths below it are
+    # read from the same symbolic step, and each is what a real step padded to that length peaks at
+    report = fxmem.analyze(meta_gpt, ["B,S:int64"], loss="lm_cross_entropy", seq_len=32, target="cpu", batch=3, device_memory=2**30)
+    rows = report.length_peaks()
+    assert [s for s, _ in rows] == [4, 8, 12, 16, 20, 24, 28, 32]
+    assert dict(rows)[32] == report.peak(3).bytes
+    for seq in (8, 20):
+        torch.manual_seed(0)
+        real = fxmem.measure_peak(_gpt(), ["B,S:int64"], 3, loss="lm_cross_entropy", seq_len=seq).bytes
+        assert dict(rows)[seq] == pytest.approx(real, rel=0.01)
+    assert report.length_peaks(1) == ()  # B=1 was simulated at S=32 only
+    text = str(report)
+    assert "S=32      the longest padded batch: every figure here is for batches padded to 32; shorter ones need less" in text
+    assert "Worst length <= 32" not in text  # a cpu target has no GPU trade-off table
+    worst = max(rows, key=lambda r: (r[1], r[0]))
+    assert worst == (32, report.peak(3).bytes)  # on the CPU the peak grows with the length here

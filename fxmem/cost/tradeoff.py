@@ -51,6 +51,7 @@ __all__ = [
     "memory_bound",
     "node_costs",
     "node_flop_exprs",
+    "padded_lengths",
     "step_estimate",
 ]
 
@@ -225,6 +226,25 @@ class TradeoffRow:
     samples_per_second: float
     peak_share: float
     """The share of the GPU's peak FLOP/s the bound reaches."""
+    worst_length: tuple[int, int] | None = None
+    """Where a sequence axis S is symbolic: (bytes, length) of the batch padded to the length at or
+    below the report's S whose step the device must hold the most for (Note [The longest padded batch])."""
+
+
+# Note [The longest padded batch]
+#     Fine-tuning batches are padded to their longest sample, so one run's steps come in many lengths
+#     and the user knows a maximum, not a distribution: ``--seq-len`` is the longest padded batch, and
+#     every figure of the report is for it. Memory mostly grows with the length, but not everywhere:
+#     on a GPU the caching allocator rounds and splits blocks by size class, and a kernel may change
+#     at a length (SDPA's backend, cuDNN's engine), so a shorter batch can need more than the longest
+#     one. Where S is symbolic, the step's timeline is a polynomial in B and S, so the trade-off
+#     table evaluates it (and replays it through the allocator) at eight padded lengths from S/8 to
+#     S and shows the worst, with its length: the figure a run of mixed lengths must fit.
+
+
+def padded_lengths(longest: int) -> tuple[int, ...]:
+    """Eight lengths from ``longest``/8 to ``longest``, the padded batches the trade-off table checks."""
+    return tuple(sorted({max(1, round(longest * k / 8)) for k in range(1, 9)}))
 
 
 def batches_to_try(largest: int | None, chosen: int) -> list[int]:

@@ -16,7 +16,7 @@ from fxmem.errors import InputSpecError
 from fxmem.inputs import Constant, InputSpec
 from fxmem.results import Kind
 
-__all__ = ["bind_inputs", "fake_like", "local_tensor", "state_kinds", "storage_of", "swapped_state"]
+__all__ = ["bind_inputs", "fake_like", "local_tensor", "state_kinds", "storage_of", "storage_parts", "swapped_state"]
 
 
 def bind_inputs(gm: fx.GraphModule, specs: Sequence[InputSpec], tensors: Sequence[torch.Tensor], model: str) -> list[Any]:
@@ -108,3 +108,21 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage holding ``t`` in this process (a DTensor's is its local shard's)."""
     return local_tensor(t).untyped_storage()
+
+
+# Note [A sparse tensor's storages]
+#     A sparse COO tensor owns no storage of its own ("Cannot access storage of SparseTensorImpl"): its
+#     memory is its indices (int64, ndim x nnz) and its values (nnz x dense dims), two strided tensors.
+#     ``torch.sparse_coo_tensor(indices, values, size)`` keeps both as given, without a copy (they are
+#     ``_indices()`` and ``_values()`` of the result), and autograd saves the sparse result itself
+#     (``SparseCooTensorWithDimsAndTensorsBackward0`` keeps it for ``grad.sparse_mask``): SHiRA (peft 0.21,
+#     tuners/shira/layer.py, ``get_delta_weight``) adds such a tensor to its weight in every step. What
+#     is saved, allocated or held of a sparse tensor is counted as those two tensors' storages.
+
+
+def storage_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors whose storages hold ``t``: a sparse COO tensor's indices and values (Note [A
+    sparse tensor's storages]), ``(t,)`` for any other."""
+    if t.layout == torch.sparse_coo:
+        return (t._indices(), t._values())
+    return (t,)

@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from fxmem.engine.binding import bind_inputs, fake_like, local_tensor, state_kinds, storage_of, swapped_state
+from fxmem.engine.binding import bind_inputs, fake_like, local_tensor, state_kinds, storage_of, storage_parts, swapped_state
 from fxmem.engine.dispatch import DtypeMismatch, LayoutRule, OpRule, OpRuleMode
 from fxmem.engine.losses import Loss
 from fxmem.engine.module_hooks import ModuleHooks, ModuleScopes, Scope
@@ -42,6 +42,7 @@ from fxmem.errors import CaptureError, FxmemError
 from fxmem.frontends.checkpointing import Region
 from fxmem.inputs import InputSpec, dtype_name, has_seq, make_input, tensors_of
 from fxmem.results import Capture, Kind, NodeInfo, SavedTensor, Unsupported
+from fxmem.rules.nf4 import fake_quantized
 from fxmem.symbolic import ByteExpr, DataDependentBytes, label_dim, to_byte_expr
 
 __all__ = [
@@ -155,6 +156,10 @@ class _Book:
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """Note a saved tensor's storage; a DTensor's is its local shard's, whose shape is the rank's."""
+        if t.layout == torch.sparse_coo:  # See Note [A sparse tensor's storages] in fxmem/engine/binding.py
+            for part in storage_parts(t):
+                self.pack(part)
+            return t
         if not _has_storage(t):
             self.unsupported.append((self.current, f"saved a {t.layout} tensor without a plain storage"))
             return t
@@ -212,7 +217,8 @@ class _StepBook(_Book):
         return found[1] if found is not None else storage_of(t).nbytes()
 
     def hold(self, value: object) -> None:
-        self.alive.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and self.numbered(t) is None)
+        parts = (p for t in tree_leaves(value) if isinstance(t, torch.Tensor) for p in storage_parts(t))  # Note [A sparse tensor's storages]
+        self.alive.extend(p for p in parts if self.numbered(p) is None)
 
 
 class StepCapture:
@@ -553,7 +559,11 @@ class FakeBatch:
     """The dtype floating parameters and buffers take in this pass (None: their own)."""
 
     def state_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A fake copy of a parameter or buffer, static in every axis (for ``swapped_state``)."""
+        """A fake copy of a parameter or buffer, static in every axis (for ``swapped_state``); a torchao
+        ``NF4Tensor`` keeps its inner tensors (Note [torchao's NF4 linear in a graph] in fxmem/rules/nf4_ops.py)."""
+        quantized = fake_quantized(self.mode, t)
+        if quantized is not None:
+            return quantized
         with self.mode:
             return fake_like(t, self.state_dtype if t.is_floating_point() else None)
 

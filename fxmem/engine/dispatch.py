@@ -114,7 +114,27 @@ def _legacy_contiguous_gradient(grad: Any, inp: Any, *args: Any, **kwargs: Any) 
     return torch.empty(inp.shape, dtype=inp.dtype, device=inp.device)
 
 
+# Note [sparse_mask on fake tensors]
+#     ``dense.sparse_mask(mask)`` keeps ``dense``'s values at ``mask``'s indices: a sparse COO tensor with
+#     ``mask``'s nnz. Its fake kernel returns one with no values (nnz 0), and the backward of
+#     ``torch.sparse_coo_tensor`` (``grad.sparse_mask(result)._values()``, the gradient of the values)
+#     then fails autograd's shape check ("got [0] but expected shape compatible with [768]"): SHiRA's
+#     step (peft 0.21, tuners/shira/layer.py) stopped there. It is computed as the CPU kernel does it
+#     (``sparse_mask`` in aten/src/ATen/native/sparse/SparseTensor.cpp, measured with torch.profiler on
+#     torch 2.13: a copy of the mask's indices, 16 B per nonzero of a 2-D mask, and one gathered value
+#     per nonzero); the 4-byte ``ones`` it multiplies by is left out.
+
+
+def _sparse_mask(t: Any, mask: Any) -> Any:
+    """sparse_mask of a strided tensor by a sparse COO mask: Note [sparse_mask on fake tensors]."""
+    if t.layout != torch.strided or mask.layout != torch.sparse_coo or not mask._nnz():
+        return NotImplemented
+    values = t.new_empty((mask._nnz(), *t.shape[mask.sparse_dim() :]))
+    return torch.sparse_coo_tensor(mask._indices().clone(), values, mask.shape, is_coalesced=mask.is_coalesced())
+
+
 _SYMBOLIC_REWRITES: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.sparse_mask.default: _sparse_mask,
     torch.ops.aten.constant_pad_nd.default: _constant_pad_nd,
     torch.ops.aten.slice_backward.default: _slice_backward,
     torch.ops.aten.select_backward.default: _select_backward,

@@ -243,6 +243,8 @@ def attach_exported_regions(gm: fx.GraphModule, found: _ExportCheckpoints) -> in
     """
     by_call: dict[int, list[fx.Node]] = {}
     for n in gm.graph.nodes:
+        if n.op == "get_attr":  # a constant first read inside a call (a 4-bit weight's scales) is lifted to the graph's top: state, not recomputed
+            continue
         for index in n.meta.get(_TAG, ()):
             by_call.setdefault(index, []).append(n)
     if any(n.op == "call_module" or isinstance(n.target, torch._ops.HigherOrderOperator) for n in gm.graph.nodes):

@@ -137,10 +137,12 @@ def shared_traces() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def weights_in(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
-    """``model``'s floating parameters in ``dtype`` (their data swapped, the Parameter objects kept) while
-    open; each back in its own dtype on exit. See Note [Tracing in the weights' compute dtype]."""
-    held = [(p, p.data) for p in model.parameters() if dtype is not None and p.is_floating_point() and p.dtype != dtype]
+def weights_in(model: nn.Module, dtype: torch.dtype | None, *, frozen_only: bool = False) -> Iterator[None]:
+    """``model``'s floating parameters (``frozen_only``: those that do not require grad) in ``dtype``
+    (their data swapped, the Parameter objects kept) while open; each back as it was on exit. See Note
+    [Tracing in the weights' compute dtype], and Note [A PEFT model under the bf16 recipe] in adapters.py."""
+    chosen = [p for p in model.parameters() if not (frozen_only and p.requires_grad)]
+    held = [(p, p.data) for p in chosen if dtype is not None and p.is_floating_point() and p.dtype != dtype]
     for p, data in held:
         p.data = data.to(dtype)
     try:

@@ -66,12 +66,16 @@ from torch.fx.node import map_aggregate
 from torch.utils._pytree import tree_map
 
 from fxmem.errors import TraceError
+from fxmem.frontends.autograd_functions import functions_kept_whole
 from fxmem.frontends.checkpointing import attach_exported_regions, tagging_checkpoints
+from fxmem.frontends.exported_reads import reading_as_eager
 from fxmem.frontends.hf_paths import eager_code_paths, forward_input_names, has_eager_code_paths
 from fxmem.frontends.huggingface import prepared_for_training
+from fxmem.frontends.kv_cache import cache_cats_as_ops, without_caches
 from fxmem.frontends.python_scopes import ExportLocals, name_exported_holds
 from fxmem.frontends.random_structure import RandomStructure, watching_random_decisions
 from fxmem.inputs import Constant, InputSpec
+from fxmem.rules.nf4_ops import quantized_linears_as_ops
 from fxmem.rules.routing import RoutedSizes
 
 __all__ = ["export_model", "export_reason"]
@@ -181,6 +185,8 @@ def _export(
         if eager_paths:
             stack.enter_context(eager_code_paths(forward_input_names(model, specs)))
         stack.enter_context(_symbolic_len(model))
+        stack.enter_context(quantized_linears_as_ops(model))  # Notes [bitsandbytes' 4-bit matmul in a graph], [torchao's NF4 linear in a graph] in fxmem/rules/nf4_ops.py
+        stack.enter_context(functions_kept_whole())  # Note [A custom autograd.Function in an exported graph]
         stack.enter_context(_watched_forward(model))
         args = tuple(_example(s, device) for s in specs if s.name is None)
         kwargs = {s.name: _example(s, device) for s in specs if s.name is not None}
@@ -215,10 +221,10 @@ def _watched_forward(model: nn.Module) -> Iterator[None]:
     @functools.wraps(forward)
     def watched(*args: Any, **kwargs: Any) -> Any:
         recorder = ExportLocals(sys._getframe())
-        with recorder, RoutedSizes(record=False), watching_random_decisions():
+        with reading_as_eager(), recorder, RoutedSizes(record=False), watching_random_decisions(), cache_cats_as_ops():  # Notes [.data while exporting], [A check that raises], [The cache a training forward builds]
             out = forward(*args, **kwargs)
         recorder.close()
-        return out
+        return without_caches(out)  # Note [The cache a training forward builds]
 
     with mock.patch.object(model, "forward", watched):  # an instance attribute for the export, whatever was there before
         yield

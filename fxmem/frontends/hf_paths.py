@@ -49,7 +49,7 @@ import torch
 from fxmem.inputs import InputSpec
 from fxmem.rules.grouped_mm import eager_grouped_mm
 
-__all__ = ["code_paths_taken", "eager_code_paths", "forward_input_names", "has_eager_code_paths"]
+__all__ = ["code_paths_taken", "note_code_path", "eager_code_paths", "forward_input_names", "has_eager_code_paths"]
 
 _SKIP_DECISIONS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 _TRACING_CHECKS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling", "is_tracing")
@@ -111,6 +111,13 @@ def code_paths_taken() -> Iterator[set[str]]:
         yield taken
     finally:
         _TAKEN.reset(token)
+
+
+def note_code_path(words: str) -> None:
+    """Tell the report, in ``words``, a code path the traced step took (where a ledger is open)."""
+    taken = _TAKEN.get()
+    if taken is not None:
+        taken.add(words)
 
 
 def _grouped_mm_as_in_eager(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -27,18 +27,22 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from fxmem.errors import FxmemWarning, LoadError
 from fxmem.results import ModelSpec
 
-__all__ = ["hf_factory", "prepared_for_training"]
+__all__ = ["hf_factory", "prepared_for_training", "without_kv_cache"]
+
+_T = TypeVar("_T")
 
 _MAX_DEFAULT_SEQ = 2048
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
@@ -47,12 +51,17 @@ _HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM
 
 
 def hf_factory(
-    name: str, *, overrides: Mapping[str, str] = {}, seq_len: int | None = None, checkpoint: bool = False
+    name: str, *, overrides: Mapping[str, str] = {}, seq_len: int | None = None, checkpoint: bool = False, dtype: torch.dtype | None = None
 ) -> Callable[[], ModelSpec]:
     """A factory for ``hf:NAME``: resolves the config now (errors early), builds the model when called.
 
-    ``checkpoint`` turns on transformers' own activation checkpointing (non-reentrant, every layer),
-    as a training script would; fxmem/frontends/checkpointing.py finds its regions in the exported graph.
+    ``checkpoint`` turns on transformers' own activation checkpointing as
+    ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable()`` before transformers
+    5) does: non-reentrant, every layer, and the input embeddings' output made to require grad so
+    that a frozen base passes gradients to its adapters; fxmem/frontends/checkpointing.py finds its
+    regions in the exported graph. ``dtype`` builds the floating weights in it, as
+    ``from_pretrained(..., dtype=torch.bfloat16)`` loads them (transformers sets the default dtype
+    while the model is built, so buffers computed in fp32 on purpose, RoPE's ``inv_freq``, stay fp32).
     """
     transformers = _import_transformers()
     config = _config(transformers, name)
@@ -62,12 +71,25 @@ def hf_factory(
     inputs = {"input_ids": f"B,{seq}:int64", "labels": f"B,{seq}:int64"}
 
     def build() -> ModelSpec:
-        model = _instantiate(_model_class(transformers, config), config)
+        with _default_dtype(dtype):
+            model = _instantiate(_model_class(transformers, config), config)
         if checkpoint:
             _checkpoint_layers(model, name)
         return ModelSpec(model, inputs, loss="auto", name=f"hf:{name}")
 
     return build
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` while open, as transformers' ``_from_config`` sets it."""
+    old = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 _ABSENT = object()
@@ -77,14 +99,11 @@ _ABSENT = object()
 def _for_training(config: Any) -> dict[str, Any]:
     """Edit ``config`` for a training step; return {attribute: old value} for what changed.
 
-    No key/value cache (a step has no use for it, and torch.export cannot return a ``DynamicCache``);
-    an encoder-decoder gets a decoder start token where it has none, since its labels are shifted
-    right with it to make the decoder's inputs.
+    An encoder-decoder gets a decoder start token where it has none, since its labels are shifted
+    right with it to make the decoder's inputs. ``use_cache`` stays as the config says: Note [The
+    cache a training forward builds].
     """
     old: dict[str, Any] = {}
-    if getattr(config, "use_cache", None) is not False:
-        old["use_cache"] = getattr(config, "use_cache", _ABSENT)
-        config.use_cache = False
     if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         old["decoder_start_token_id"] = getattr(config, "decoder_start_token_id", _ABSENT)
         config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
@@ -92,18 +111,43 @@ def _for_training(config: Any) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def prepared_for_training(model: nn.Module) -> Iterator[None]:
+def prepared_for_training(model: nn.Module, *, cache: bool = True) -> Iterator[None]:
     """See Note [A Hugging Face model passed as an object]: every config in ``model`` edited as an
     ``hf:`` spec's is, while tracing; the user's configs as they were afterwards. A no-op for a
-    model that holds no transformers config (and transformers is never imported here)."""
+    model that holds no transformers config (and transformers is never imported here). ``cache=False``
+    also turns the key/value cache off, as transformers does under its own checkpointing: a step whose
+    layers fxmem's planner checkpoints must not build one (its recompute would update the cache again,
+    and torch.utils.checkpoint refuses the second forward's different slices)."""
     changed: list[tuple[Any, dict[str, Any]]] = []
     try:
         for config in _configs(model):
             changed.append((config, _for_training(config)))
+            if not cache and getattr(config, "use_cache", None):
+                changed.append((config, {"use_cache": config.use_cache}))
+                config.use_cache = False
         yield
     finally:
         for config, old in reversed(changed):
             _restore(config, old)
+
+
+def without_kv_cache(model_at: int) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+    """A planner entry point run with its model's key/value cache off (``prepared_for_training(model,
+    cache=False)``; the model is its ``model_at``-th positional argument, or ``model=``): the steps it
+    compares checkpoint layers, which transformers runs without a cache."""
+
+    def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> _T:
+            model = args[model_at] if len(args) > model_at else kwargs.get("model")
+            if not isinstance(model, nn.Module):
+                return fn(*args, **kwargs)
+            with prepared_for_training(model, cache=False):
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def _configs(model: nn.Module) -> list[Any]:

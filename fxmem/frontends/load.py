@@ -25,7 +25,9 @@ import torch
 from torch import nn
 
 from fxmem.errors import FxmemError, LoadError
+from fxmem.frontends.adapters import LoraOptions, add_lora
 from fxmem.frontends.huggingface import hf_factory
+from fxmem.frontends.off_meta import build_off_meta, counting_state, meta_failure
 from fxmem.frontends.vision import timm_factory, torchvision_factory
 from fxmem.results import ModelSpec
 
@@ -36,16 +38,24 @@ _USER_FILES: dict[str, str] = {}
 
 
 def load_model(
-    spec: str, *, meta: bool = True, hf_config: Mapping[str, str] = {}, seq_len: int | None = None, checkpoint: bool = False
+    spec: str,
+    *,
+    meta: bool = True,
+    hf_config: Mapping[str, str] = {},
+    seq_len: int | None = None,
+    checkpoint: bool = False,
+    dtype: torch.dtype | None = None,
+    lora: LoraOptions | None = None,
 ) -> ModelSpec:
     """Build the model named by ``spec`` (on the meta device unless ``meta=False``).
 
-    ``hf_config`` (config overrides), ``seq_len`` and ``checkpoint`` (transformers' activation
-    checkpointing) apply to ``hf:`` specs only.
+    ``hf_config`` (config overrides), ``seq_len``, ``checkpoint`` (transformers' activation
+    checkpointing) and ``dtype`` (the weights built in it, as ``from_pretrained(dtype=...)`` loads
+    them) apply to ``hf:`` specs only. ``lora`` adds a LoRA adapter with peft to any model.
     """
     if spec.startswith("hf:"):
-        build = hf_factory(spec[len("hf:") :], overrides=hf_config, seq_len=seq_len, checkpoint=checkpoint)
-        return _call_factory(build, spec, meta=meta)
+        build = hf_factory(spec[len("hf:") :], overrides=hf_config, seq_len=seq_len, checkpoint=checkpoint, dtype=dtype)
+        return _call_factory(_adapted(build, lora, spec), spec, meta=meta)
     if checkpoint:
         raise LoadError(
             f"model spec '{spec}': checkpoint=True (--checkpoint) turns on transformers' activation checkpointing, "
@@ -56,9 +66,21 @@ def load_model(
             name = spec[len(prefix) :]
             if not name:
                 raise LoadError(f"model spec '{spec}': name the model, e.g. {prefix}resnet50.")
-            return _call_factory(make(name), spec, meta=meta)
+            return _call_factory(_adapted(make(name), lora, spec), spec, meta=meta)
     factory, name = _resolve(spec)
-    return _call_factory(factory, name, meta=meta)
+    return _call_factory(_adapted(factory, lora, name), name, meta=meta)
+
+
+def _adapted(factory: Callable[..., object], lora: LoraOptions | None, name: str) -> Callable[[], object]:
+    """``factory`` with a LoRA adapter added to what it builds, on the device it builds on."""
+    if lora is None:
+        return factory
+
+    def build() -> ModelSpec:
+        spec = _as_spec(factory(), name)
+        return ModelSpec(add_lora(spec.model, lora, name), spec.inputs, spec.loss, f"{spec.name or name} + {lora.describe()}", spec.extra)
+
+    return build
 
 
 def load_leaf_types(names: Sequence[str], model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -225,7 +247,7 @@ def _a(noun: str) -> str:
 
 def _call_factory(factory: Callable[..., object], name: str, *, meta: bool) -> ModelSpec:
     try:
-        with torch.device("meta") if meta else torch.device("cpu"):
+        with torch.device("meta") if meta else torch.device("cpu"), counting_state() as counted:
             built = factory()
     except TypeError as e:
         raise LoadError(
@@ -235,8 +257,24 @@ def _call_factory(factory: Callable[..., object], name: str, *, meta: bool) -> M
     except FxmemError:
         raise
     except Exception as e:
-        raise LoadError(f"model spec '{name}': the factory raised {type(e).__name__}: {e}.") from e
+        if not (meta and meta_failure(e)):
+            raise LoadError(f"model spec '{name}': the factory raised {type(e).__name__}: {e}.") from e
+        built = _built_on_cpu(factory, name, e, counted[0])
     return _as_spec(built, name)
+
+
+def _built_on_cpu(factory: Callable[..., object], name: str, on_meta: Exception, counted: int) -> object:
+    """The factory's model built on the CPU where the meta device failed it (Note [A factory that needs
+    real values] in off_meta.py); where the CPU fails too, the error says both."""
+    try:
+        return build_off_meta(factory, name, on_meta, counted)
+    except FxmemError:
+        raise
+    except Exception as e:
+        raise LoadError(
+            f"model spec '{name}': the factory raised {type(e).__name__}: {e}. (On the meta device it raised "
+            f"{type(on_meta).__name__}: {str(on_meta)[:200]}; fxmem tried the CPU after it.)"
+        ) from e
 
 
 def _as_spec(built: object, name: str) -> ModelSpec:

@@ -151,7 +151,9 @@ def _named_nodes(frame: FrameType) -> Iterator[fx.Node]:
 
 
 def _proxied_nodes(value: Any, depth: int) -> Iterator[fx.Node]:
-    return (proxy.node for proxy in _found(value, depth, fx.Proxy))
+    """The nodes of the proxies in ``value``; an attribute proxy fx has not made a node for yet
+    (``weight.quantized_data`` before its first use) holds nothing, and asking for its node would make one."""
+    return (proxy.node for proxy in _found(value, depth, fx.Proxy) if not (isinstance(proxy, fx.proxy.Attribute) and proxy._node is None))
 
 
 def _found(value: Any, depth: int, kind: type) -> Iterator[Any]:

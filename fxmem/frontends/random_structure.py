@@ -16,6 +16,19 @@ Note [Random structure]
     config field that sets the probability where one is found, and what to do. With the field at 0 every
     layer runs: the most any LayerDrop step holds, so those figures are LayerDrop's worst case. Random
     *values* (dropout masks, SpecAugment masks: the same sizes every step) are left alone.
+
+Note [A random draw compared with a bound it cannot cross]
+    Not every branch on a draw is random. PEFT's LyCORIS layers (peft 0.21, tuners/loha/layer.py and
+    tuners/lokr/layer.py, ``forward``) run the adapter ``if (not self.training) or (self.training and
+    torch.rand(1) > module_dropout)``, with ``module_dropout`` 0.0 by default: the adapter runs in every
+    step. ``torch.rand`` draws from [0, 1) (on the CPU, ``uniform_real`` in
+    aten/src/ATen/core/TransformationHelper.h makes a float32 from 24 random bits, ``(v & (2**24 - 1)) *
+    2**-24``), so ``torch.rand(...) > 0`` is False only for a draw of exactly 0, once in 2**24 calls, and
+    ``> p`` for p >= 1 never holds. Such a comparison (``>``, ``>=``, ``<``, ``<=`` of a ``rand`` or
+    ``rand_like`` draw against a number at or beyond the ends of [0, 1)) is decided as the step decides it
+    (the 2**-24 case taken as never), not refused; on torch.export's fake draw its ``bool()`` is answered
+    without a guard on the value (which would stop the export on ``Eq(u0, 1)``). With ``module_dropout``
+    above 0 the branch is random again, and refused.
 """
 
 from __future__ import annotations
@@ -89,18 +102,47 @@ class _RandomDecisions(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.marked: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """Each draw, and what is computed from it: True, or ``_UNIT`` for a draw in [0, 1) as drawn."""
+        self.certain: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        """Comparisons of a unit draw whose outcome is certain: Note [A random draw compared with a bound it cannot cross]."""
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if name == "__bool__" and tensors and tensors[0] in self.certain:
+            return self.certain[tensors[0]]
         if name == "__bool__" and tensors and tensors[0] in self.marked:
             raise _refusal(sys._getframe(1))
         out = func(*args, **kwargs)
         drawn = name in _DRAWS and not any(isinstance(a, torch.fx.Proxy) for a in (*args, *kwargs.values()))
-        if isinstance(out, torch.Tensor) and (drawn or any(t in self.marked for t in tensors)):
-            self.marked[out] = True
+        if not isinstance(out, torch.Tensor) or not (drawn or any(t in self.marked for t in tensors)):
+            return out
+        outcome = _certain(name, args, self.marked.get(args[0]) if args and isinstance(args[0], torch.Tensor) else None)
+        if outcome is not None:
+            self.certain[out] = outcome
+        else:
+            self.marked[out] = _UNIT if name in _UNIT_DRAWS and drawn else True
         return out
+
+
+_UNIT = "[0, 1)"
+_UNIT_DRAWS = frozenset({"rand", "rand_like"})
+"""Draws uniform on [0, 1): Note [A random draw compared with a bound it cannot cross]."""
+
+
+def _certain(name: str, args: Sequence[Any], mark: object) -> bool | None:
+    """The outcome of comparing a unit draw with a number beyond its range, or None where the outcome is random
+    (Note [A random draw compared with a bound it cannot cross])."""
+    bound = args[1] if len(args) == 2 else None
+    if mark != _UNIT or not isinstance(bound, (int, float)) or isinstance(bound, bool):
+        return None
+    op = name.strip("_")
+    if op in ("gt", "ge"):  # draw > p: always for p at or below 0 (a draw of exactly 0 taken as never), never for p >= 1
+        return True if bound <= 0 else False if bound >= 1 else None
+    if op in ("lt", "le"):
+        return True if bound >= 1 else False if bound <= 0 else None
+    return None
 
 
 def _drawing(draw: Any) -> Any:

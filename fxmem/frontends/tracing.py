@@ -29,6 +29,7 @@ from fxmem.frontends.python_scopes import LocalsRecorder
 from fxmem.frontends.random_structure import RandomStructure, watching_random_decisions
 from fxmem.frontends.trace_causes import data_dependent_error, fixes_the_batch, fx_assert_error, missing_argument_error, plain_cause, source_line
 from fxmem.inputs import InputSpec
+from fxmem.rules.nf4_ops import quantized_linears_as_ops
 
 __all__ = ["FRONTENDS", "WHOLE_MODEL", "Traced", "trace_model"]
 
@@ -215,7 +216,7 @@ def _fx_trace(model: nn.Module, name: str, leaf_types: Sequence[type]) -> fx.Gra
     if tracer.is_leaf_module(model, ""):
         return _single_node_graph(model)
     try:
-        with recording_checkpoints(tracer) as regions, watching_random_decisions():  # Notes [Checkpointed regions], [Random structure]
+        with recording_checkpoints(tracer) as regions, watching_random_decisions(), quantized_linears_as_ops(model):  # Notes [Checkpointed regions], [Random structure], [torchao's NF4 linear in a graph]
             graph = tracer.trace(model)
     except RandomStructure as e:
         raise e.for_model(name, model) from None

@@ -21,7 +21,7 @@ from fxmem.collector import cycle_collector_paused
 from fxmem.errors import InputSpecError
 from fxmem.frontends.tracing import WHOLE_MODEL
 from fxmem.inputs import Constant, InputSpec, dtype_name, format_dims
-from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, Timeline
+from fxmem.results import DevicePeak, LayerRow, NodeRecord, Peak, Phase, StateBytes, Timeline
 
 if TYPE_CHECKING:
     from fxmem.parallel.pipeline_report import PipelineRun
@@ -461,10 +461,20 @@ def _title(report: Report) -> str:
     graph = {"fx": "torch.fx", "export": "torch.export"}.get(report.frontend, "the model run whole")
     if report.checkpointed:
         graph += f", {report.checkpointed} checkpointed region{'s' if report.checkpointed > 1 else ''}"
-    target = f"\ntarget: {report.setup.describe()}" if report.setup is not None else ""
+    target = f"\ntarget: {report.setup.describe(_as_built(report.state))}" if report.setup is not None else ""
     return (
         f"fxmem: {report.model}  inputs: {inputs}  loss: {report.loss}  optimizer: {report.state.optimizer_name}  ({graph}, {how}){target}"
     )
+
+
+def _as_built(state: StateBytes) -> str | None:
+    """The weights' dtypes in words where they are not all fp32: "bfloat16 frozen, float32 trainable"."""
+    frozen, trainable = sorted(state.frozen_by_dtype), sorted(state.trainable_by_dtype)
+    if set(frozen) | set(trainable) <= {"float32"}:
+        return None
+    if not frozen or not trainable:
+        return " and ".join(frozen or trainable) + " weights"
+    return f"{' and '.join(frozen)} frozen, {' and '.join(trainable)} trainable"
 
 
 # Note [The answer first]
@@ -485,6 +495,7 @@ def _answer_lines(report: Report) -> list[list[str]]:
         *_peak_lines(report, b, _at(report)),
         *_gpu_lines(report, b, _at(report)),
         _floor_line(report),
+        *_length_lines(report, b),
     ]
     lines.append(["State : activations", _ratio(state, scaled), _reading(state, scaled)])
     return lines
@@ -548,6 +559,24 @@ def _verdict_lines(report: Report) -> list[list[str]]:
     where = f", out of memory at {short.oom_node}" if short is not None and short.oom_node else ""
     head = f"B={b} does not fit{_where_it_runs(report)}: {format_bytes(gap)} short{where}"
     return [[f"Verdict at B={b}", "does not fit", f"{head}; {largest}"]]
+
+
+def _length_lines(report: Report, b: int) -> list[list[str]]:
+    """What ``--seq-len`` stands for: the longest padded batch (Note [The longest padded batch])."""
+    if report.seq_len is None:
+        return []
+    S = report.seq_len
+    said = f"the longest padded batch: every figure here is for batches padded to {S}"
+    rows = report.length_peaks(b) if report.steps is not None else ()
+    if not rows:
+        return [["Sequence length", f"S={S}", said]]
+    worst_bytes, worst_at = max((n, s) for s, n in rows)
+    at_longest = dict(rows)[S]
+    if worst_bytes > at_longest:
+        said += f"; a batch padded to S={worst_at} needs more, {format_bytes(worst_bytes)} (the trade-off table shows each batch's worst length)"
+    else:
+        said += f"; shorter ones need less ({format_bytes(rows[0][1])} at S={rows[0][0]})"
+    return [["Sequence length", f"S={S}", said]]
 
 
 def _floor_line(report: Report) -> list[str]:
@@ -684,11 +713,23 @@ def _tradeoff_parts(report: Report) -> list[_Part]:
             format_bytes(r.device) + ("" if report.fits(r.batch) else " (does not fit)"),
             format_seconds(r.seconds), format_rate(r.samples_per_second), f"{r.peak_share:.0%}",
         )
+        + ((_worst_length(r, report),) if report.seq_len is not None else ())
         for r in report.tradeoff()
     )  # fmt: skip
     headers = ("B", "State", "Activations", "Peak", "GPU total", "Step time >=", "Samples/s <=", "Of peak FLOP/s")
+    if report.seq_len is not None:
+        headers += (f"Worst length <= {report.seq_len}",)
     heading = f"Batch size trade-off on {report.gpu.label} (step time is a roofline lower bound, not a benchmark):"
     return [heading, _Table(rows, headers)]
+
+
+def _worst_length(row: Any, report: Report) -> str:
+    """The batch padded to the length (S/8 to S) that needs the most: Note [The longest padded batch]."""
+    if row.worst_length is None:
+        return "n/a"
+    nbytes, length = row.worst_length
+    fits = report.device_memory is None or nbytes <= report.device_memory
+    return f"{format_bytes(nbytes)} at S={length}" + ("" if fits else " (does not fit)")
 
 
 def _peak_lines(report: Report, b: int, at: str) -> list[list[str]]:
@@ -773,8 +814,11 @@ def _per_gpu_lines(report: Report) -> list[list[str]]:
 
 def _state_parts(report: Report) -> str:
     s = report.state
+    frozen = s.frozen_weights
+    split = f" ({format_count(s.trainable)} trainable)" if s.trainable != s.parameters else ""
+    weights = f"{format_bytes(s.weights)}" + (f" ({format_bytes(frozen)} frozen, {format_bytes(s.weights - frozen)} trainable)" if frozen else "")
     return (
-        f"{format_count(s.parameters)} params: weights {format_bytes(s.weights)}, buffers {format_bytes(s.buffers)}, "
+        f"{format_count(s.parameters)} params{split}: weights {weights}, buffers {format_bytes(s.buffers)}, "
         f"gradients {format_bytes(s.gradients)}, "
         + (f"fp32 master {format_bytes(s.master)}, " if s.master else "")
         + f"optimizer {format_bytes(s.optimizer)}"
@@ -835,6 +879,7 @@ def to_dict(report: Report, *, depth: Depth = None) -> dict[str, Any]:
             "trainable_parameters": s.trainable,
             "weights": s.weights,
             "weights_by_dtype": dict(s.weights_by_dtype),
+            "frozen_weights_by_dtype": dict(s.frozen_by_dtype),
             "buffers": s.buffers,
             "gradients": s.gradients,
             "optimizer": s.optimizer,

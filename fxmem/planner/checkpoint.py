@@ -51,6 +51,7 @@ from fxmem.inputs import InputSpecs, check_batch, parse_inputs, parse_size
 from fxmem.planner.block_ops import BlockOps, OpTrace, record_block_ops
 from fxmem.planner.cut import CutOp, cut_block
 from fxmem.symbolic import ByteExpr
+from fxmem.frontends.huggingface import without_kv_cache
 
 __all__ = ["BlockChoice", "CheckpointPlan", "OpKey", "plan_checkpointing"]
 
@@ -141,6 +142,7 @@ class _Option:
     reruns: tuple[int, ...] = ()
 
 
+@without_kv_cache(0)  # checkpointed layers run without a key/value cache, as transformers runs them
 def plan_checkpointing(
     model: nn.Module,
     inputs: InputSpecs,

@@ -68,6 +68,7 @@ from fxmem.inputs import InputSpecs, check_batch, parse_inputs
 from fxmem.planner.block_ops import BlockOps, record_block_ops
 from fxmem.planner.checkpoint import CheckpointPlan, _check_blocks, _checkpointed, _choice
 from fxmem.step.training import TARGETS
+from fxmem.frontends.huggingface import without_kv_cache
 
 __all__ = ["CPU_FLASH_ATTENTION", "TORCHTITAN_SAVE_OPS", "op_sac_plan", "save_ops_for"]
 
@@ -98,6 +99,7 @@ def save_ops_for(target: str) -> frozenset[str]:
     return TORCHTITAN_SAVE_OPS | {CPU_FLASH_ATTENTION} if target == "cpu" else TORCHTITAN_SAVE_OPS
 
 
+@without_kv_cache(0)  # checkpointed layers run without a key/value cache, as transformers runs them
 def op_sac_plan(
     model: nn.Module,
     inputs: InputSpecs,

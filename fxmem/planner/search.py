@@ -80,6 +80,7 @@ from fxmem.planner.checkpoint import CheckpointPlan, plan_checkpointing
 from fxmem.planner.emit import apply_plan_to, compile_plan
 from fxmem.report import Report
 from fxmem.step.sharding import fsdp_units
+from fxmem.frontends.huggingface import without_kv_cache
 
 if TYPE_CHECKING:
     from fxmem.measure_ranks import RankMeasurement
@@ -261,6 +262,7 @@ class Plan:
         )
 
 
+@without_kv_cache(0)  # checkpointed layers run without a key/value cache, as transformers runs them
 def plan(
     model: nn.Module,
     inputs: InputSpecs,
@@ -595,13 +597,20 @@ def _torch_notices_muted() -> Iterator[None]:
 
 
 def _check_searched(training: Training) -> None:
-    """The planner chooses the precision and the optimizer's implementation itself (its levers)."""
+    """The planner chooses the precision and the optimizer's implementation itself (its levers), and
+    simulates the default training loop (no clipping, zero_grad after the step, outputs dropped)."""
     default = Training()
     for field in ("optimizer_impl", "precision", "amp", "param_dtype"):
         if getattr(training, field) != getattr(default, field):
             raise InputSpecError(
                 f"plan() searches the precision and the optimizer's implementation itself (allow=); Training.{field}="
                 f"{getattr(training, field)!r} would fix it: leave it at its default and allow the levers to try."
+            )
+    for field in ("clip_grad_norm", "zero_grad", "keep_outputs"):
+        if getattr(training, field) != getattr(default, field):
+            raise InputSpecError(
+                f"plan() searches with the default training loop so far; Training.{field}={getattr(training, field)!r} is not "
+                "searched: leave it at its default, and check the chosen configuration with fxmem.analyze(..., training=Training(...))."
             )
 
 
@@ -779,6 +788,7 @@ def _applied_seq_len(inputs: InputSpecs, seq_len: int | None) -> int | None:
     return None
 
 
+@without_kv_cache(1)  # checkpointed layers run without a key/value cache, as transformers runs them
 def verify(candidate: Candidate, model: nn.Module, inputs: InputSpecs, *, loss: str = "sum", seq_len: int | None = None) -> Verification:
     """Apply ``candidate`` to the real model (its checkpointing through the emitted code, its
     precision through autocast, its optimizer and implementation, torch.compile) and measure one real steady step

@@ -66,9 +66,9 @@ def measure_plan(
     real = materialize(model).train()
     values = [make_input(s, plan.batch, seq_len) for s in specs]
     plain, checkpointed = copy.deepcopy(real), compile_plan(plan)(copy.deepcopy(real))
-    with prepared_for_training(plain):  # the step the plan was made for (no key/value cache)
+    with prepared_for_training(plain, cache=False):  # the step the plan was made for (no key/value cache)
         plain_saved, plain_flops = _step(plain, specs, values, loss_fn, plan.model)
-    with prepared_for_training(checkpointed):
+    with prepared_for_training(checkpointed, cache=False):
         saved, flops = _step(checkpointed, specs, values, loss_fn, plan.model)
     return PlanMeasurement(plan.batch, saved, plain_saved, flops, plain_flops)
 

@@ -912,4 +912,4 @@ register_workspace_rule(("aten.convolution_backward", "cuda"))(cudnn_convolution
 
 # The rule modules that register into fxmem/rules/registries.py themselves: imported last, so that
 # every registry is full once this module is, and in the order the rules were registered before.
-from fxmem.rules import cpu_layouts, cpu_norms, cuda_norms  # noqa: E402, F401  (the cpu's pointwise layouts and normalization rules, the cuda target's norms)
+from fxmem.rules import cpu_layouts, cpu_norms, cuda_norms, nf4_ops  # noqa: E402, F401  (the cpu's pointwise layouts and normalization rules, the cuda target's norms, bitsandbytes' 4-bit matmul)

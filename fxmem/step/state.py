@@ -21,11 +21,13 @@ from fractions import Fraction
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxmem.errors import InputSpecError
 from fxmem.inputs import dtype_name
 from fxmem.results import Category, MemoryEvent, PerGpuState, Phase, StateBytes, Timeline
 from fxmem.rules import Registry
+from fxmem.rules.nf4 import quantized_format, quantized_parameter_count, quantized_weight_bytes
 from fxmem.rules.optimizers import OPTIMIZERS, OptimizerRule
 from fxmem.step.precision import PrecisionRecipe, get_recipe
 from fxmem.step.training import TARGETS
@@ -69,11 +71,16 @@ def state_bytes(
     params = list(model.parameters())  # unique by identity: tied weights once
     sizes = [_Sizes.of(p, param_dtype, recipe) for p in params]
     by_dtype: Counter[str] = Counter()
+    frozen: Counter[str] = Counter()
+    counted: set[StorageWeakRef] = set()  # a storage two 4-bit weights' states share counts once
     for p, s in zip(params, sizes):
-        by_dtype[s.weight_dtype] += p.numel() * s.weight
+        dtype, nbytes = _weight_bytes(p, s, counted)
+        by_dtype[dtype] += nbytes
+        if not p.requires_grad:
+            frozen[dtype] += nbytes
     trainable = [(p, s) for p, s in zip(params, sizes) if p.requires_grad]
     return StateBytes(
-        parameters=sum(p.numel() for p in params),
+        parameters=sum(quantized_parameter_count(p) for p in params),
         trainable=sum(p.numel() for p, _ in trainable),
         weights=sum(by_dtype.values()),
         weights_by_dtype=dict(by_dtype),
@@ -83,7 +90,17 @@ def state_bytes(
         optimizer_name=optimizer.name,
         master=sum(p.numel() * s.master for p, s in trainable),
         precision=recipe.name if recipe is not None else "",
+        frozen_by_dtype=dict(frozen),
     )
+
+
+def _weight_bytes(p: torch.Tensor, s: _Sizes, counted: set[StorageWeakRef]) -> tuple[str, int]:
+    """(dtype, bytes) of ``p``'s weights: a 4-bit weight's as stored, codes, scales and tables (Note
+    [What a 4-bit weight holds] in fxmem/rules/nf4.py), under its format's name; else numel x size."""
+    quantized = quantized_weight_bytes(p, counted)
+    if quantized is None:
+        return s.weight_dtype, p.numel() * s.weight
+    return quantized_format(p) or s.weight_dtype, quantized
 
 
 @dataclass(frozen=True)

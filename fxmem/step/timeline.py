@@ -69,12 +69,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxmem.compiling.inductor import CompiledModel, compile_on_fakes, compiling
-from fxmem.engine.binding import bind_inputs, local_tensor, storage_of, swapped_state
+from fxmem.engine.binding import bind_inputs, local_tensor, storage_of, storage_parts, swapped_state
 from fxmem.engine.capture import (
     LOSS_NODE,
     FakeBatch,
@@ -93,12 +94,14 @@ from fxmem.engine.recompute import SIGNALS as CHECKPOINT_SIGNALS
 from fxmem.engine.recompute import RegionInterpreter
 from fxmem.errors import CaptureError, FxmemError, first_line
 from fxmem.frontends.checkpointing import Region
+from fxmem.frontends.kv_cache import holding_caches
 from fxmem.frontends.python_scopes import held_through
 from fxmem.inputs import InputSpec, dtype_name, tensors_of
 from fxmem.parallel import ParallelPlan, gathered_parameters, one_rank
 from fxmem.parallel.fsdp import device_timeline
-from fxmem.results import Category, Estimated, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
+from fxmem.results import Category, Estimated, Loop, MemoryEvent, OpCostRecord, Phase, Timeline, WorkspaceBound, WorkspaceLines
 from fxmem.rules.linear import in_aten_rnn, in_attention
+from fxmem.rules.nf4 import quantized_state_tensors, stored_tensors
 from fxmem.rules.optimizers import OptimizerRule
 from fxmem.symbolic import ByteExpr, DataDependentBytes, to_byte_expr
 
@@ -330,8 +333,9 @@ class _Tracker(SeesCompiledCode, TorchDispatchMode):
         elif func is _WAIT and isinstance(out, torch.Tensor) and self._moved(args[0], out):
             outs = ()  # Note [What a sharded step's engine allocates]: the collective's output, waited on
         for i, t in enumerate(outs):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested:
-                self._allocated(t, sizes.get(i), *self._foreach_owner(op, args, i, (node, fqn)), label)
+            for part in storage_parts(t) if isinstance(t, torch.Tensor) else ():  # Note [A sparse tensor's storages] in fxmem/engine/binding.py
+                if part.layout == torch.strided and not part.is_nested:
+                    self._allocated(part, sizes.get(i), *self._foreach_owner(op, args, i, (node, fqn)), label)
         if self._may_sum_in_place(func, args, kwargs, out):
             self.summed = (StorageWeakRef(args[0].untyped_storage()), StorageWeakRef(out.untyped_storage()))
         cost = op_cost(func, args, kwargs, out)
@@ -433,7 +437,7 @@ class _Tracker(SeesCompiledCode, TorchDispatchMode):
     def _foreach_owner(self, op: str, args: Any, i: int, default: tuple[str, str]) -> tuple[str, str]:
         """The parameter a foreach op's ``i``-th output is for: the one its first list holds at ``i``
         (all of them would otherwise be charged to the list's first parameter)."""
-        if not op.startswith("aten._foreach_") or self.phase not in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+        if not op.startswith("aten._foreach_") or self.phase not in _PER_PARAMETER:
             return default
         first = args[0] if args else None
         if not isinstance(first, (list, tuple)) or i >= len(first) or not isinstance(first[i], torch.Tensor):
@@ -443,7 +447,8 @@ class _Tracker(SeesCompiledCode, TorchDispatchMode):
 
     def _attribution(self, args: Any) -> tuple[str, str]:
         """(node, module path) an op is charged to: the running fx node in forward and loss, the
-        forward node whose gradient autograd is computing in backward, the parameter in the optimizer."""
+        forward node whose gradient autograd is computing in backward, the parameter in the optimizer
+        (and in ``clip_grad_norm_``, where an op reads one gradient)."""
         if self.phase == Phase.BACKWARD and self.recomputing:
             return self.node, self.fqn
         if self.phase == Phase.BACKWARD:
@@ -452,7 +457,7 @@ class _Tracker(SeesCompiledCode, TorchDispatchMode):
             if label is not None:
                 return label
             return (current.name() if current is not None else self.node), ""
-        if self.phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+        if self.phase in _PER_PARAMETER:
             for a in tree_leaves(args):
                 if isinstance(a, torch.Tensor):
                     name = self.names.get(StorageWeakRef(storage_of(a)))
@@ -480,6 +485,9 @@ class _Tracker(SeesCompiledCode, TorchDispatchMode):
 #       all_gather", "FSDP::post_backward_reduce", ...), which reaches the mode as a profiler op. What
 #       is allocated inside one is the engine's: its category is COMMUNICATION (unless it later
 #       holds the gradients, as the reduce-scatter output does), and its label names the range.
+
+_PER_PARAMETER = (Phase.CLIP, Phase.OPTIMIZER, Phase.ZERO_GRAD)
+"""The phases whose ops are charged to the parameter whose tensors they read (``_Tracker._attribution``)."""
 
 _RANGE_ENTER = torch.ops.profiler._record_function_enter_new.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -584,6 +592,7 @@ class _Forward(ModuleHooks, RegionInterpreter):
         """Where the forward's saved tensors are recorded too (Note [One pass for the capture and the step])."""
         """The hooked modules' stretches of the graph (Note [Module hooks on a flattened graph])."""
         _hold_python_locals(self)
+        _drop_unread_values(self)
 
     def hooks_run(self, scope: Scope, node: fx.Node) -> None:
         self.tracker.node, self.tracker.fqn = node.name, scope.path
@@ -669,6 +678,26 @@ def _hold_python_locals(interpreter: fx.Interpreter) -> None:
         interpreter.user_to_last_uses.setdefault(until, []).append(value)
 
 
+# Note [A value nothing reads]
+#     fx's Interpreter frees a node's value after its last user runs (``user_to_last_uses``); a node with
+#     no users is no one's argument, so its value stayed in the Interpreter's environment until the
+#     forward ended, and with it the autograd graph behind it and every tensor that graph saved. Eager
+#     drops a result nobody keeps at once: ShadowPEFT (peft 0.21, tuners/shadow/layers.py) updates its
+#     shadow state in the last block too, and the model's exit hook keeps only the hidden states, so the
+#     last ``shadow_update``'s activations die with it in eager; torch.export keeps the dead ``.to(dtype)``
+#     it ends with, and the simulated forward held them to its end (45 KB, 3% of the tiny Llama's step
+#     peak in tests/test_peft_methods.py). Such a value is now dropped right after its node runs, unless
+#     a Python name holds it longer (Note [Python locals keep values alive]).
+
+
+def _drop_unread_values(interpreter: fx.Interpreter) -> None:
+    """Drop the value of a node that nothing reads right after it runs: Note [A value nothing reads]."""
+    held = held_through(interpreter.graph)
+    for node in interpreter.graph.nodes:
+        if not node.users and node.op in ("call_function", "call_method", "call_module") and node not in held:
+            interpreter.user_to_last_uses.setdefault(node, []).append(node)
+
+
 def _metadata(fn: Any) -> dict[str, Any]:
     """An autograd node's metadata dict, kept by the C++ node however often Python rewraps it."""
     return fn.metadata
@@ -707,8 +736,9 @@ class StepTarget:
     analysis (one GPU's, a pipeline rank's): the op rules (true output sizes), the workspace rules,
     the CPU layout rules, the context the forward and the loss run in (``kernels()``: the target's
     kernel choices and autocast policy, see ``TrainingSetup.kernels``), the optimizer's
-    implementation (None: torch's default), and the dtype floating parameters and buffers are held
-    in (None: their own; see ``capture_saved``)."""
+    implementation (None: torch's default), the dtype floating parameters and buffers are held
+    in (None: their own; see ``capture_saved``), the training loop around the step, and the target
+    device's type ("cpu", "cuda"), by which torch's own defaults choose kernels."""
 
     rules: Mapping[str, OpRule] = field(default_factory=dict)
     workspaces: Mapping[str, WorkspaceRule] = field(default_factory=dict)
@@ -716,6 +746,8 @@ class StepTarget:
     kernels: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
     optimizer_impl: str | None = None
     state_dtype: torch.dtype | None = None
+    loop: Loop = Loop()
+    device: str = "cpu"
 
 
 def simulate_step(
@@ -754,16 +786,20 @@ def simulate_step(
     Raises SymbolicUnsupported or BatchSpecialized when a symbolic pass cannot stand for every B.
     """
     fake = fake_batch(specs, batch, seq, target.state_dtype)
+    scales = quantized_state_tensors(gm)  # read before the weights are swapped for fakes, which have no QuantState
     with swapped_state(gm, fake.state_copy), quiet_fake_tensor_log(), _one_rank(gm, parallel, fake, model) as (gm, scopes):
         tracker = _Tracker(target.rules, target.workspaces)
         tracker._sharded = parallel is not None
         params = dict(gm.named_parameters())
         for name, p in params.items():
-            tracker.adopt(p, Category.PARAMETER)
+            for stored in stored_tensors(p):  # an NF4Tensor's inner tensors: Note [What a 4-bit weight holds] in fxmem/rules/nf4.py
+                tracker.adopt(stored, Category.PARAMETER)
             tracker.names[StorageWeakRef(storage_of(p))] = name
         for name, b in gm.named_buffers():
             if not _traced_constant(name):  # made by the forward, each step: Note [Tensors made while tracing]
                 tracker.adopt(b, Category.BUFFER)
+        for t in scales:  # the graph's constants: Note [What a 4-bit weight holds] in fxmem/rules/nf4.py
+            tracker.adopt(t, Category.PARAMETER)
         for t in tensors_of(specs, fake.inputs):
             tracker.adopt(t, Category.INPUT)
         record = _recorder(gm, specs, fake, tracker, strict) if captured is not None else None
@@ -780,9 +816,13 @@ def simulate_step(
             tracker.compiled_step = rules.compiled_step = forward is not None
             with tracker, rules, _host_rng_states(tracker), resizes:
                 packed: dict[int, object] = {}
-                categories = _run_step(gm, tracker, fake, values, loss, opt, params, model, target.kernels, scopes, record, forward, packed)
+                categories = _run_step(
+                    gm, tracker, fake, values, loss, opt, params, model, target.kernels, scopes, record, forward, packed,
+                    target.loop, target.device,
+                )  # fmt: skip
     fake.check_symbols()
     timeline = _timeline(tracker, categories, batch, fake)
+    timeline = timeline if target.loop.plain else replace(timeline, loop=target.loop)
     if parallel is not None and parallel.offload:  # the device's share: Note [FSDP2's CPU offload] in fxmem/parallel/fsdp.py
         timeline = device_timeline(timeline)
     if captured is not None and record is not None:
@@ -862,8 +902,11 @@ def _run_step(
     record: StepCapture | None = None,
     compiled: CompiledModel | None = None,
     packed: dict[int, object] | None = None,
+    loop: Loop = Loop(),
+    device: str = "cpu",
 ) -> dict[int, Category]:
-    """Run forward, loss, backward, step and zero_grad; return the categories decided along the way.
+    """Run forward, loss, backward, step and zero_grad, in the order ``loop`` runs them (with its
+    clipping, on ``device``'s kernels); return the categories decided along the way.
     With ``compiled``, the forward is the compiled model's (and so is its backward); ``packed``, where
     given, collects each storage packed for backward (its number and bytes)."""
     categories: dict[int, Category] = {}
@@ -874,9 +917,9 @@ def _run_step(
             categories[number] = Category.ACTIVATION
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        activation(t)
-        if packed is not None:
-            entry = tracker.live.get(StorageWeakRef(storage_of(t)))
+        for part in storage_parts(t):  # See Note [A sparse tensor's storages] in fxmem/engine/binding.py
+            activation(part)
+            entry = tracker.live.get(StorageWeakRef(storage_of(part))) if packed is not None else None
             if entry is not None:
                 packed[entry.number] = entry.nbytes
         if record is not None:
@@ -896,7 +939,7 @@ def _run_step(
     inside = contextlib.nullcontext if compiled is None else kernels
     # The hook runs inside the compiled forward, where Dynamo would compile it as the model's code
     hook = torch._dynamo.disable(pack) if compiled is not None else pack
-    with torch.autograd.graph.saved_tensors_hooks(hook, _unpack), outside():
+    with torch.autograd.graph.saved_tensors_hooks(hook, _unpack), outside(), holding_caches() as caches:  # held as ``out`` holds them
         if compiled is not None:
             tracker.node, tracker.fqn = COMPILED_NODE, ""
             with compiling():
@@ -922,28 +965,80 @@ def _run_step(
     _mark(tracker, categories, out, Category.ACTIVATION)  # the caller holds the output
     _label_autograd(value, (LOSS_NODE, "(loss)"))
     _label_accumulators({**params, **gathered_parameters(gm)} if scopes is not None else params, value)
+    if opt is not None and loop.zero_grad == "before-backward":
+        _zero_grad(tracker, opt)  # a first step's gradients are None: nothing to free (Note [What a loop holds from the step before])
     tracker.phase = Phase.BACKWARD
     if value.requires_grad:  # nothing to differentiate when every parameter is frozen
         with _node_hooks(tracker, value), compiling() if compiled is not None else contextlib.nullcontext():
             _guarded(fake, model, "backward()", value.backward)
     tracker.poll()
-    tracker.phase, tracker.node, tracker.fqn = Phase.OPTIMIZER, "optimizer.step", ""
     for name, p in params.items():
         if p.grad is not None:
             _mark(tracker, categories, p.grad, Category.GRADIENT)
             tracker.names[StorageWeakRef(storage_of(p.grad))] = name
+    if opt is not None and loop.clip_grad_norm is not None:
+        _clip_grad_norm(tracker, fake, model, params, loop.clip_grad_norm, device)
+    tracker.phase, tracker.node, tracker.fqn = Phase.OPTIMIZER, "optimizer.step", ""
     if opt is not None:
         _guarded(fake, model, "optimizer.step()", opt.step)
         tracker.poll()
         _mark(tracker, categories, [list(s.values()) for s in opt.state.values()], Category.OPTIMIZER_STATE)
-        tracker.phase, tracker.node = Phase.ZERO_GRAD, "zero_grad"
-        opt.zero_grad(set_to_none=True)
-        tracker.poll()
-    del out, value
+        if loop.zero_grad == "after-step":
+            _zero_grad(tracker, opt)
+    del out, value, caches  # Note [The cache a training forward builds] in fxmem/frontends/kv_cache.py
     for number in tracker.communication:  # Note [What a sharded step's engine allocates]
         if categories.get(number) not in (Category.GRADIENT, Category.OPTIMIZER_STATE):
             categories[number] = Category.COMMUNICATION
     return categories
+
+
+def _zero_grad(tracker: _Tracker, opt: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``, torch's default: each gradient dropped, so freed."""
+    tracker.phase, tracker.node, tracker.fqn = Phase.ZERO_GRAD, "zero_grad", ""
+    opt.zero_grad(set_to_none=True)
+    tracker.poll()
+
+
+# Note [clip_grad_norm_ on fake gradients]
+#     The loop's ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` runs here as it is,
+#     torch's own code on the fake gradients, as the optimizer does, so every temporary it makes is
+#     an op the tracker sees: the per-gradient norms, their ``stack``, the total norm, the clip
+#     coefficient (``max_norm / (total + 1e-6)``, clamped to 1) and the in-place multiply. Which
+#     path it takes is decided as torch decides it for real tensors, not for fakes: with
+#     ``foreach=None`` it takes ``_foreach_norm`` and ``_foreach_mul_`` where
+#     ``_has_foreach_support(grads, device)`` (torch/nn/utils/clip_grad.py ``_get_total_norm`` and
+#     ``_clip_grads_with_norm_``), which asks for every gradient's type to be exactly ``torch.Tensor``
+#     and for the device to be in ``_get_foreach_kernels_supported_devices() + ["cpu"]``
+#     (torch/utils/_foreach_utils.py ``_device_has_foreach_support``): foreach on CUDA and, in torch
+#     2.13, on the CPU too (unlike the optimizers' default, which leaves the CPU out). A FakeTensor's
+#     type is not ``torch.Tensor``, so left to choose, torch would take the per-gradient loop here:
+#     the simulation passes the choice real gradients get. A DTensor's type is not ``torch.Tensor``
+#     either, so FSDP2's and tensor parallel's gradients take the loop, as they do for real. On the
+#     CPU ``_foreach_norm`` computes one norm per gradient, each its own 0-d tensor, as its meta
+#     kernel says (tests/test_loop.py holds the clip phase to a real CPU step): with the stacked copy
+#     and the total, 8n + 4 bytes for n gradients. A real CPU run also wraps the Python floats 1e-6
+#     and max_norm in 8-byte float64 tensors (and a 4-byte float32 copy) while it computes the
+#     coefficient, which no fake op allocates: 28 B at most then, below the norms' 8n + 4 from n = 3
+#     gradients on: only a model of one or two parameter tensors sees its clip phase low (16 or 8 B). CUDA's kernel
+#     (aten/src/ATen/native/cuda/ForeachReduceOp.cu) returns views of one buffer of n floats, beside a
+#     scratch of per-chunk sums: on a cuda target the n 0-d tensors here, each a 512-byte block of the
+#     caching allocator, overstate it by about 512 B per gradient. The stacked norms grow with the
+#     blocks, so a clipped step of a deep model is simulated whole (Note [Repeated blocks]).
+
+
+def _clip_grad_norm(
+    tracker: _Tracker, fake: FakeBatch, model: str, params: Mapping[str, torch.Tensor], max_norm: float, device: str
+) -> None:
+    """The loop's ``clip_grad_norm_`` between backward and the optimizer step: Note [clip_grad_norm_ on fake gradients]."""
+    from torch.utils._foreach_utils import _device_has_foreach_support
+
+    tracker.phase, tracker.node, tracker.fqn = Phase.CLIP, "clip_grad_norm_", ""
+    grads = [p.grad for p in params.values() if p.grad is not None]
+    plain = all(type(g) in (torch.Tensor, FakeTensor) for g in grads)  # a DTensor's gradients are not
+    foreach = plain and _device_has_foreach_support(torch.device(device))
+    clip = lambda: torch.nn.utils.clip_grad_norm_(list(params.values()), max_norm, foreach=foreach)
+    _guarded(fake, model, "torch.nn.utils.clip_grad_norm_()", clip)  # the total norm it returns is dropped, as the loop drops it
+    tracker.poll()
 
 
 # Note [What the step's saved-tensor hook keeps]
@@ -1109,4 +1204,63 @@ def steady_step(first: Timeline) -> Timeline:
         baseline[Category.OPTIMIZER_STATE] = baseline.get(Category.OPTIMIZER_STATE, ByteExpr()) + nbytes
     events = tuple(e for e in first.events if e.storage not in moved)
     storages = first.baseline_storages + state
-    return replace(first, first_step=False, baseline=baseline, events=events, baseline_storages=storages, contexts=())
+    steady = replace(first, first_step=False, baseline=baseline, events=events, baseline_storages=storages, contexts=())
+    return steady if first.loop.plain else _held_from_the_step_before(steady)
+
+
+# Note [What a loop holds from the step before]
+#     A steady step starts with what the training loop still holds from the step before it. In the
+#     loop fxmem simulates unless told otherwise (``zero_grad(set_to_none=True)`` after
+#     ``optimizer.step()``, ``out`` and the loss dropped each step) that is the optimizer state alone.
+#     Two common loops hold more, and the first step's timeline says what: a storage it allocates
+#     and never releases is held past its end.
+#     * ``zero_grad`` just before ``loss.backward()`` (``Loop.zero_grad`` "before-backward"): each
+#       gradient lives from one step's backward to the next step's ``zero_grad``, which sets
+#       ``p.grad`` to None and so frees it (torch/optim/optimizer.py ``Optimizer.zero_grad``), after
+#       that step's forward and loss. A first step has no gradients to free there.
+#     * ``for x in data: out = model(x); loss = loss_fn(out, y)`` (``Loop.keep_outputs``): Python
+#       rebinds ``out`` only once the next forward has returned, and ``loss`` once the next loss is
+#       computed, so the previous step's outputs (an LLM's B x S x vocab logits, and whatever the
+#       output holds) live through the next forward, and the previous loss through the next loss.
+#       Backward frees what the graph saved, not the outputs themselves.
+#     The steady step starts by allocating those storages, before its first op, and releases each
+#     where the loop drops it: the outputs when the forward has returned, the loss when the new one is
+#     computed, the gradients at ``zero_grad``, just before backward's first op. Held as events rather
+#     than in the baseline, they reach an allocator replay as blocks it can free. Everything else is
+#     the first step's: the forward, the loss and backward run the same ops whatever the loop holds.
+#     ``fxmem.measure_peak`` runs the same loops for real (tests/test_loop.py).
+
+
+def _held_from_the_step_before(steady: Timeline) -> Timeline:
+    """``steady`` starting with what its loop holds from the step before, each storage released where
+    the loop drops it: Note [What a loop holds from the step before]."""
+    events, loop = steady.events, steady.loop
+    released = {e.storage for e in events if not e.alloc}
+    kept = [e for e in events if e.alloc and e.storage not in released and _held_over(e, loop)]
+    if not kept:
+        return steady
+    number = max(e.storage for e in events) + 1
+    held = [replace(e, phase=Phase.FORWARD, storage=number + k, op=f"{e.op} (held from the step before)") for k, e in enumerate(kept)]
+    drops = [replace(h, alloc=False, phase=_dropped_in(e)) for h, e in zip(held, kept)]
+    forward, loss = _end_of(events, (Phase.FORWARD,)), _end_of(events, (Phase.FORWARD, Phase.LOSS))
+    outputs = [d for d in drops if d.phase == Phase.FORWARD]
+    rest = [d for d in drops if d.phase != Phase.FORWARD]
+    return replace(steady, events=(*held, *events[:forward], *outputs, *events[forward:loss], *rest, *events[loss:]))
+
+
+def _held_over(e: MemoryEvent, loop: Loop) -> bool:
+    """Whether ``loop`` holds a storage the step leaves alive into the next step (its gradients, its outputs and loss)."""
+    if e.category == Category.GRADIENT:
+        return loop.zero_grad == "before-backward"
+    return loop.keep_outputs and e.phase in (Phase.FORWARD, Phase.LOSS)
+
+
+def _dropped_in(e: MemoryEvent) -> Phase:
+    """Where the loop drops a storage it held from the step before: a gradient at zero_grad, an output
+    when the forward returns (``out = model(x)``), the loss when the loss is computed."""
+    return Phase.ZERO_GRAD if e.category == Category.GRADIENT else e.phase
+
+
+def _end_of(events: Sequence[MemoryEvent], phases: tuple[Phase, ...]) -> int:
+    """The index of the first event past the leading run of ``phases``."""
+    return next((i for i, e in enumerate(events) if e.phase not in phases), len(events))

@@ -19,6 +19,7 @@ import torch
 
 from fxmem.errors import InputSpecError
 from fxmem.options import DEFAULT_GPU, Hardware, Parallelism, Training, spell
+from fxmem.results import ZERO_GRAD_PLACES, Loop
 from fxmem.rules import TorchRelease, torch_release
 from fxmem.rules.linear import LinearAsReal
 from fxmem.rules.routing import RoutedSizes
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from fxmem.gpu.gpus import GpuSpec
     from fxmem.step.timeline import StepTarget
 
-__all__ = ["AMP_DTYPES", "DEFAULT_GPU", "IMPLS", "SHARDS", "TARGETS", "TrainingSetup", "amp_dtype", "fsdp_sharding"]
+__all__ = ["AMP_DTYPES", "DEFAULT_GPU", "IMPLS", "SHARDS", "TARGETS", "TrainingSetup", "amp_dtype", "check_loop", "fsdp_sharding"]
 
 TARGETS = ("cuda", "cpu")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,6 +68,9 @@ class TrainingSetup:
     offload: bool = False
     """FSDP2's ``CPUOffloadPolicy`` (``--offload``): the sharded state in host memory, Note [FSDP2's CPU
     offload] in fxmem/parallel/fsdp.py."""
+    loop: Loop = Loop()
+    """The training loop around the step: clipping, where zero_grad runs, whether outputs are kept
+    (Note [What a loop holds from the step before] in fxmem/step/timeline.py)."""
 
     def __post_init__(self) -> None:
         _check_choice("target", self.target, TARGETS)
@@ -90,6 +94,7 @@ class TrainingSetup:
                 "fp32 shards, gradients and optimizer state), or --shard zero3 (DeepSpeed's formula)."
             )
         _check_offload(self.offload, self.fsdp, self.tp)
+        check_loop(self.loop)
         if self.target == "cuda":
             self.device  # noqa: B018 - fails early on an unknown --gpu
             self.allocator  # noqa: B018 - fails early on a malformed --alloc-conf
@@ -105,10 +110,17 @@ class TrainingSetup:
                 f"offload (--offload, FSDP2's CPUOffloadPolicy) inside pipeline stages (pp={parallel.pp!r}) is not modelled yet; "
                 "drop one of the two."
             )
+        loop = Loop(training.clip_grad_norm, training.zero_grad, training.keep_outputs)
+        check_loop(loop)  # before it is described below
+        if not loop.plain and parallel.pp != 1:
+            raise InputSpecError(
+                f"the training loop's settings ({loop.describe()}) are simulated on one GPU and with FSDP2 or tensor parallel, "
+                f"not yet inside pipeline stages (pp={parallel.pp!r}); drop them, or drop pp."
+            )
         return cls(
             hardware.target, hardware.gpu, training.amp, training.precision, world_size, shard, training.optimizer_impl,
             dict(hardware.overheads), hardware.torch_version, parallel.tp, hardware.alloc_conf, hardware.memory_fraction,
-            parallel.offload,
+            parallel.offload, loop,
         )  # fmt: skip
 
     def unused(self, *, flags: bool = False) -> tuple[str, ...]:
@@ -247,12 +259,16 @@ class TrainingSetup:
         from fxmem.step.timeline import StepTarget
 
         t = self.target
-        return StepTarget(op_rules_for(t), workspace_rules_for(t), layout_rules_for(t), self.kernels(), optimizer_impl, self.state_dtype)
+        return StepTarget(
+            op_rules_for(t), workspace_rules_for(t), layout_rules_for(t), self.kernels(), optimizer_impl, self.state_dtype, self.loop, t
+        )
 
-    def describe(self) -> str:
-        """One line for the report's header."""
+    def describe(self, as_built: str | None = None) -> str:
+        """One line for the report's header. ``as_built`` says the dtypes of weights held as the model
+        built them (a bf16 base with fp32 adapters), shown where no recipe or autocast decides them."""
         where = "cpu" if not self.cuda else f"cuda: {self.device.label}"
-        parts = [where, f"precision {self.recipe}" + (f" (autocast {self.amp})" if self.amp else "")]
+        precision = f"precision as built: {as_built}" if as_built and not self.precision and not self.amp else f"precision {self.recipe}"
+        parts = [where, precision + (f" (autocast {self.amp})" if self.amp else "")]
         if self.distributed:
             how = f"{self._engine_words()}, one rank simulated" if self.engine else f"shard {self.shard}"
             parts.append(f"{self.ranks} GPU{'s' if self.ranks > 1 else ''}, {how}")
@@ -262,6 +278,8 @@ class TrainingSetup:
             parts.append(f"torch {self.torch_version}")
         if self.cuda and (self.alloc_conf or self.memory_fraction is not None):
             parts.append(f"allocator {self.allocator.describe()}")
+        if not self.loop.plain:
+            parts.append(self.loop.describe())
         return ", ".join(parts)
 
 
@@ -298,6 +316,26 @@ def _check_offload(offload: object, fsdp: bool, tp: int) -> None:
         raise InputSpecError(
             f"offload (--offload) with tensor parallel (tp={tp}) is not modelled yet: fxmem simulates FSDP2's CPUOffloadPolicy "
             "over a 1-D data-parallel mesh; drop tp or offload."
+        )
+
+
+def check_loop(loop: Loop) -> None:
+    """The training loop's settings as ``Training`` takes them: a max_norm above 0, a known zero_grad place, a bool."""
+    norm = loop.clip_grad_norm
+    if norm is not None and (isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 < norm < float("inf")):
+        raise InputSpecError(
+            f"clip_grad_norm (--clip-grad-norm) is the max_norm the loop passes to torch.nn.utils.clip_grad_norm_, a finite "
+            f"number above 0 such as 1.0; got {norm!r}. Leave it out (None) for a loop that does not clip."
+        )
+    if loop.zero_grad not in ZERO_GRAD_PLACES:
+        raise InputSpecError(
+            f"zero_grad (--zero-grad) says where the loop calls optimizer.zero_grad(): 'after-step' (after optimizer.step(), "
+            f"the default) or 'before-backward' (after the loss, just before loss.backward()); got {loop.zero_grad!r}."
+        )
+    if not isinstance(loop.keep_outputs, bool):
+        raise InputSpecError(
+            f"keep_outputs (--keep-outputs) must be True or False: whether the loop holds each step's output and loss "
+            f"until the next step's replace them; got {loop.keep_outputs!r}."
         )
 
 
