@@ -21,14 +21,13 @@ from fxmem.frontends.adapters import forward_module, is_peft_model
 from fxmem.frontends.blocks import BlockStack
 from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.deepen import trace_blocks, weights_in
-from fxmem.frontends.hf_paths import code_paths_taken
+from fxmem.rules.ledger import code_paths_taken
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
 from fxmem.options import Hardware, Parallelism, Training, merge, spell, warn_at_caller
 from fxmem.parallel import ParallelPlan, one_rank
 from fxmem.report import Report
 from fxmem.results import Accounting, Capture, Category, PerGpuState, StateBytes, Timeline
-from fxmem.rules.nf4_ops import quantized_kernel_notes
 from fxmem.rules.ops import layout_rules_for, op_rules_for
 from fxmem.rules.optimizers import OptimizerRule, default_impl
 from fxmem.rules.routing import routed_sizes_seen, routing_ledger
@@ -195,9 +194,8 @@ def _with_ledgers(analyze: Callable[..., Report]) -> Callable[..., Report]:
 
     @functools.wraps(analyze)
     def run(*args: Any, **kwargs: Any) -> Report:
-        with routing_ledger() as routed, code_paths_taken() as paths, quantized_kernel_notes() as quantized:
+        with routing_ledger() as routed, code_paths_taken() as paths:
             report = analyze(*args, **kwargs)
-        paths |= quantized  # Note [The forward's dequantized copies] in fxmem/rules/nf4_ops.py
         return replace(report, routed=routed_sizes_seen(routed), paths=tuple(sorted(paths))) if routed or paths else report
 
     return run

@@ -8,7 +8,6 @@ name it in annotations only (under ``TYPE_CHECKING``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -270,8 +269,7 @@ class Report:
         steps = self.steps
         if self.seq_len is None or steps is None or batch < 2 or steps.symbolic_timeline() is None:
             return ()
-        at = lambda s: dataclasses.replace(steps, seq=s, _points={}, _device={}, _steady={})
-        return tuple((s, int(at(s).device_bytes(batch, self.device_memory))) for s in padded_lengths(self.seq_len))
+        return tuple((s, int(steps.at_length(s).device_bytes(batch, self.device_memory))) for s in padded_lengths(self.seq_len))
 
     def batchnorm_caveat(self) -> str:
         """The batch-norm caveat where batch-statistics layers meet a small per-device batch, else ""."""

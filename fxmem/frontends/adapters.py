@@ -130,7 +130,7 @@ def add_lora(model: nn.Module, options: LoraOptions, name: str) -> nn.Module:
     )  # fmt: skip
     try:
         return peft.get_peft_model(model, config)  # type: ignore[no-any-return]
-    except ValueError as e:
+    except Exception as e:  # peft's own refusal (an unknown target, a layer type it cannot adapt), in one line
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise LoadError(
             f"model '{name}': peft cannot add {options.describe()} ({first}); name modules the model has in targets= "

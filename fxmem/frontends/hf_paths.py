@@ -26,7 +26,7 @@ Note [Eager code paths under torch.export]
       transformers' ``grouped_mm_fallback`` custom op, which keeps its offsets as a Python attribute
       where the eager ``grouped_mm`` saves them (16 bytes per layer for 4 experts, which the fallback
       path left out). Its checks read dtypes, devices and versions, never values, so it is decided with
-      the tracing checks answering "not tracing"; the report names the path taken (``code_paths_taken``).
+      the tracing checks answering "not tracing"; the report names the path taken (fxmem/rules/ledger.py).
 
     Every patch is skipped when the installed transformers lacks the function (other versions decide
     elsewhere), and everything is restored when the export returns. When a model's eager decision
@@ -37,7 +37,6 @@ Note [Eager code paths under torch.export]
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import sys
@@ -48,8 +47,9 @@ import torch
 
 from fxmem.inputs import InputSpec
 from fxmem.rules.grouped_mm import eager_grouped_mm
+from fxmem.rules.ledger import note_code_path
 
-__all__ = ["code_paths_taken", "note_code_path", "eager_code_paths", "forward_input_names", "has_eager_code_paths"]
+__all__ = ["eager_code_paths", "forward_input_names", "has_eager_code_paths"]
 
 _SKIP_DECISIONS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 _TRACING_CHECKS = ("is_torchdynamo_exporting", "is_torchdynamo_compiling", "is_tracing")
@@ -99,27 +99,6 @@ def eager_code_paths(input_names: Collection[str]) -> Iterator[None]:
             setattr(owner, name, original)
 
 
-_TAKEN: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxmem_code_paths", default=None)
-
-
-@contextlib.contextmanager
-def code_paths_taken() -> Iterator[set[str]]:
-    """Collect, in words, the code paths Note [Eager code paths under torch.export] chose for the report."""
-    taken: set[str] = set()
-    token = _TAKEN.set(taken)
-    try:
-        yield taken
-    finally:
-        _TAKEN.reset(token)
-
-
-def note_code_path(words: str) -> None:
-    """Tell the report, in ``words``, a code path the traced step took (where a ledger is open)."""
-    taken = _TAKEN.get()
-    if taken is not None:
-        taken.add(words)
-
-
 def _grouped_mm_as_in_eager(module: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     """``_can_use_grouped_mm`` answered as in an eager step; the answer is recorded for the report."""
 
@@ -127,10 +106,8 @@ def _grouped_mm_as_in_eager(module: Any, original: Callable[..., Any]) -> Callab
     def decide(*args: Any, **kwargs: Any) -> Any:
         with _not_tracing(module):
             eager = original(*args, **kwargs)
-        taken = _TAKEN.get()
-        if taken is not None:
-            kernel = "torch.nn.functional.grouped_mm" if eager else "transformers' grouped_mm_fallback loop"
-            taken.add(f"transformers' experts ran {kernel}, as an eager step does on this device and dtype")
+        kernel = "torch.nn.functional.grouped_mm" if eager else "transformers' grouped_mm_fallback loop"
+        note_code_path(f"transformers' experts ran {kernel}, as an eager step does on this device and dtype")
         return eager
 
     return decide

@@ -36,7 +36,7 @@ from unittest import mock
 
 import torch
 
-from fxmem.frontends.hf_paths import note_code_path
+from fxmem.rules.ledger import note_code_path
 
 __all__ = ["cache_cats_as_ops", "holding_caches", "without_caches"]
 

@@ -9,7 +9,6 @@ fxmem/rules/nf4.py's.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxmem.rules.nf4 import bitsandbytes, nf4_tensor_type, quant_state
+from fxmem.rules.ledger import note_code_path
 from fxmem.rules.registries import register_workspace_rule
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "cuda_matmul_4bit_workspace",
     "linear_nf4",
     "matmul_4bit",
-    "quantized_kernel_notes",
     "quantized_linears_as_ops",
 ]
 
@@ -276,8 +275,6 @@ def _op_linear_nf4(input: torch.Tensor, weight: Any) -> Any:
 #       beside the weight. Between the two the kernel is chosen per GPU architecture and shape
 #       (``_gemm_4bit_use_custom_cuda``); fxmem charges the fallback's copies there, the larger of the two.
 
-_NOTES: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("fxmem_quantized_kernels", default=None)
-
 _CUDA_NOTE = (
     "bitsandbytes' 4-bit matmuls on CUDA are modelled from bitsandbytes' source, not run: each backward dequantizes the "
     "weight into a fresh tensor, and so does each forward above 1,536 rows, with its fp32 absmax; fxmem assumes the "
@@ -287,24 +284,6 @@ _CPU_HALF_NOTE = (
     "bitsandbytes' 4-bit matmuls in bf16/fp16 on the CPU run through oneDNN, whose scratchpad inside each matmul "
     "(tens of KiB at small sizes) fxmem does not count"
 )
-
-
-@contextlib.contextmanager
-def quantized_kernel_notes() -> Iterator[set[str]]:
-    """Collect, in words for the report, what the passes inside modelled of the 4-bit matmuls' kernels
-    instead of running them (Note [The forward's dequantized copies])."""
-    seen: set[str] = set()
-    token = _NOTES.set(seen)
-    try:
-        yield seen
-    finally:
-        _NOTES.reset(token)
-
-
-def _note(words: str) -> None:
-    seen = _NOTES.get()
-    if seen is not None:
-        seen.add(words)
 
 
 _A, _SHAPE, _ABSMAX_8BIT = 0, 2, 8
@@ -328,14 +307,14 @@ def _dequantized_bytes(args: Sequence[Any], kwargs: Mapping[str, Any], absmax_co
 def cpu_matmul_4bit_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """The CPU forward's dequantized weight and absmax. See Note [The forward's dequantized copies]."""
     if args[_A].dtype in (torch.bfloat16, torch.float16):
-        _note(_CPU_HALF_NOTE)
+        note_code_path(_CPU_HALF_NOTE)
     return _dequantized_bytes(args, kwargs, absmax_copies=1)
 
 
 @register_workspace_rule(("fxmem.matmul_4bit", "cuda"))
 def cuda_matmul_4bit_workspace(args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> object:
     """The CUDA forward's copies, from bitsandbytes' source. See Note [The forward's dequantized copies]."""
-    _note(_CUDA_NOTE)
+    note_code_path(_CUDA_NOTE)
     a = args[_A]
     rows = a.numel() // a.shape[-1]
     if statically_known_true(rows <= _CUDA_FUSED_ROWS):

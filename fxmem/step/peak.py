@@ -131,6 +131,11 @@ class StepPeaks:
     _device: dict[tuple[int, bool, int | None], DevicePeak] = field(default_factory=dict, repr=False)
     _steady: dict[int, tuple[Timeline, Timeline]] = field(default_factory=dict, repr=False)
 
+    def at_length(self, seq: int) -> StepPeaks:
+        """The same step with its sequence axis evaluated at ``seq``: exact for B >= 2 where the symbolic
+        timeline has S symbolic (Note [The longest padded batch] in fxmem/cost/tradeoff.py)."""
+        return replace(self, seq=seq, _points={}, _device={}, _steady={})
+
     def timeline(self, batch: int, *, first_step: bool = False) -> Timeline:
         first = self._first(batch)
         return first if first_step else self._steady_of(first)
