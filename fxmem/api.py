@@ -20,7 +20,7 @@ from fxmem.errors import CaptureError, FxmemError, InputSpecError
 from fxmem.frontends.adapters import forward_module, is_peft_model
 from fxmem.frontends.blocks import BlockStack
 from fxmem.frontends.checkpointing import checkpoint_regions
-from fxmem.frontends.deepen import trace_blocks, weights_in
+from fxmem.frontends.deepen import compile_graphs, trace_blocks, weights_in
 from fxmem.rules.ledger import code_paths_taken
 from fxmem.gpu.device import DeviceModel, device_model
 from fxmem.inputs import Constant, InputSpec, InputSpecs, check_batch, has_seq, parse_inputs
@@ -288,9 +288,10 @@ def _analyze(
     if training.compile:
         _check_compilable(gm, plan, peak, name, training.activation_memory_budget)  # peak: ``held`` and ``steps`` are made
         simulator = lambda graph: lambda b, made: simulate(graph, b, None, made)
-        copies = (shallow[1][3], shallow[1][4], shallow[0].depth) if shallow is not None and held.unchanged else None
+        stack = shallow[0] if shallow is not None and held.unchanged else None
+        graphs = compile_graphs(model, _in_dtype(specs, compute), traced, stack, name=name, leaf_types=leaf_types, compute_dtype=compute)
         overhead = (lambda b: int(steps.device_bytes(b) - steps.bytes(b))) if device is not None and steps is not None else None
-        compiled = compiled_step(simulator, batch, seq, device, held, say, copies=copies, overhead=overhead, whole=gm)
+        compiled = compiled_step(simulator, batch, seq, device, held, say, graphs, overhead=overhead)
     return Report(
         name, specs, loss, accounting, state, batch, device_memory, traced.frontend, seq, evaluate, steps, setup=setup, per_gpu=per_gpu,
         bn_layers=batchnorm_layers(model), bn_threshold=bn_threshold, checkpointed=len(checkpoint_regions(gm)),

@@ -672,7 +672,7 @@ def _measure_compiled(args: argparse.Namespace, say: Callable[[str], None]) -> s
     rows = [[v.name, "x".join(map(str, v.shape)), v.dtype, format_bytes(v.nbytes)] for v in compiled.values if not v.held]
     table = tabulate(rows, headers=["Saved by the compiled forward", "Shape", "Dtype", "Bytes"], disable_numparse=True)
     verdict = "exact" if compiled.saved == total else f"differs by {compiled.saved - total:+d} B"
-    listed = "" if compiled.path == "the whole model" else f" The values listed are the 4-block copy's: the prediction is {compiled.path}."
+    listed = f" The values listed are the {compiled.listed_from}-block copy's: the prediction is {compiled.path}." if compiled.listed_from else ""
     return (
         f"{table}\n\nSaved for backward at B={args.batch} under torch.compile (the compiled forward's and the eager loss's): "
         f"measured {total} B, predicted {compiled.saved} B: {verdict}.{listed}\n"

@@ -29,6 +29,7 @@ Note [Inductor on fake tensors]
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import tempfile
@@ -81,12 +82,25 @@ class CompiledModel:
 #     with the mode traced into the graph. The saved-tensor hook runs inside the compiled forward, so
 #     it is ``torch._dynamo.disable``d, else Dynamo would compile fxmem's own bookkeeping. Recompiles
 #     are static (``automatic_dynamic_shapes`` off: each batch is a first call, as for a job with a
-#     fixed batch) and use the stand-in kernels as well.
+#     fixed batch) and use the stand-in kernels as well. Dynamo's garbage collection after each compile
+#     (``run_gc_after_compile``, which frees a compile's leftovers sooner) is off: 0.4 s a compile here,
+#     and nothing the step tracks is collected by it (its tensors are freed by reference counts).
 
 
 def inductor_settings() -> dict[str, object]:
-    """Inductor's configuration for a prediction: its defaults, with the caches off (Note [Inductor on fake tensors])."""
-    return {"fx_graph_cache": False, "fx_graph_remote_cache": False, "autotune_local_cache": False}
+    """Inductor's configuration for a prediction: its defaults, with the caches off (Note [Inductor on
+    fake tensors]) and the CPU's vector ISA taken from its flags unbuilt (Note [The vector ISA unbuilt])."""
+    return {"fx_graph_cache": False, "fx_graph_remote_cache": False, "autotune_local_cache": False, "cpp.vec_isa_ok": True, "compile_threads": 1}
+
+
+# Note [The vector ISA unbuilt]
+#     Inductor's C++ backend picks the widest vector ISA the CPU's flags list (AVX512, else AVX2; or
+#     as ``ATEN_CPU_CAPABILITY`` says), and the ISA sets the loops' tiling, which decides whether a
+#     softmax's outer loops fuse with a kernel-local buffer (``codegen_outer_loop_node`` in
+#     torch/_inductor/codegen/cpp.py). Before trusting an ISA it builds a probe library with g++ and
+#     loads it in a Python subprocess (``VecISA.check_build``): over a second per process, spent on
+#     kernels the stand-ins never build. ``cpp.vec_isa_ok`` skips that probe; the pick from the flags
+#     is the same wherever the compiler builds for them, as it must for a real compiled step to run.
 
 
 def compile_on_fakes(gm: fx.GraphModule, values: Sequence[Any], budget: float = 1.0) -> CompiledModel:
@@ -99,7 +113,7 @@ def compile_on_fakes(gm: fx.GraphModule, values: Sequence[Any], budget: float = 
     backend = functools.partial(_stand_in_inductor, wrappers=wrappers, graphs=graphs, budget=budget)
     compiled = torch.compile(gm, backend=backend)
     before = _breaks()
-    with _disable_current_modes(), compiling():
+    with _disable_current_modes(), compiling(), _buffers_in(torch._guards.detect_fake_mode(values)):
         compiled(*values)
     breaks = _breaks() - before
     return CompiledModel(compiled, tuple(wrappers), tuple(graphs), tuple(breaks.elements()))
@@ -130,7 +144,10 @@ def compiling() -> Iterator[None]:
     """Dynamo's settings for a prediction's compiles and for the compiled step's run (Note [Dynamo on the traced graph])."""
     import torch._dynamo
 
-    with torch._dynamo.config.patch(automatic_dynamic_shapes=False, recompile_limit=1024, accumulated_recompile_limit=1 << 16):
+    settings: dict[str, object] = {"automatic_dynamic_shapes": False, "recompile_limit": 1024, "accumulated_recompile_limit": 1 << 16}
+    if hasattr(torch._dynamo.config, "run_gc_after_compile"):
+        settings["run_gc_after_compile"] = False
+    with torch._dynamo.config.patch(settings):
         yield
 
 
@@ -169,8 +186,35 @@ def _no_kernel(*_: object, **__: object) -> None:
     return None
 
 
+_FIRST_CALL_MODE: contextvars.ContextVar[Any] = contextvars.ContextVar("fxmem_first_call_mode", default=None)
+"""The inputs' FakeTensorMode while ``compile_on_fakes`` makes its first call outside every mode."""
+
+
+@contextlib.contextmanager
+def _buffers_in(mode: Any) -> Iterator[None]:
+    """The first call's buffers fake, in the inputs' mode (Note [The first call's buffers])."""
+    token = _FIRST_CALL_MODE.set(mode)
+    try:
+        yield
+    finally:
+        _FIRST_CALL_MODE.reset(token)
+
+
+# Note [The first call's buffers]
+#     ``compile_on_fakes`` compiles by calling the compiled model once outside every mode (Note
+#     [Dynamo on the traced graph]). Its inputs are fake, but a buffer the wrapper allocates there is
+#     not: ``torch.empty_strided`` outside a FakeTensorMode makes a real tensor, and an ATen kernel whose
+#     inputs are all such buffers ran for real on them (a fake mode with ``allow_non_fake_inputs``
+#     lets real and fake meet): gpt-7b's flash attention at B=2 x 2048 took half a second per block on
+#     uninitialised memory, a third of its compiled analysis, and more with the batch. So during that
+#     call the buffers are made in the inputs' own fake mode; in the step, under the timeline's modes,
+#     they are fake already and seen by its tracker.
+
+
 def _empty_strided(size: Sequence[Any], stride: Sequence[Any], dtype: torch.dtype, *_: object) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+    mode = _FIRST_CALL_MODE.get()
+    with mode if mode is not None else contextlib.nullcontext():
+        return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
 
 
 def _reinterpret(t: torch.Tensor, size: Sequence[Any], stride: Sequence[Any], offset: Any) -> torch.Tensor:
@@ -179,7 +223,8 @@ def _reinterpret(t: torch.Tensor, size: Sequence[Any], stride: Sequence[Any], of
 
 @contextlib.contextmanager
 def _stand_in_kernels(wrappers: list[str]) -> Iterator[None]:
-    """Load every wrapper Inductor writes with kernels that do nothing, and keep its code."""
+    """Load every wrapper Inductor writes with kernels that do nothing, and keep its code; write the C++
+    kernels' scalar loops only (Note [The C++ kernels' vector loops unwritten])."""
     from torch._inductor.graph import GraphLowering
 
     original = GraphLowering._compile_to_module_lines
@@ -190,12 +235,66 @@ def _stand_in_kernels(wrappers: list[str]) -> Iterator[None]:
 
     GraphLowering._compile_to_module_lines = load  # type: ignore[method-assign]
     try:
-        yield
+        with _scalar_kernels_only():
+            yield
     finally:
         GraphLowering._compile_to_module_lines = original  # type: ignore[method-assign]
         for path in paths:  # read back by CompiledFxGraph as it was made
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+
+# Note [The C++ kernels' vector loops unwritten]
+#     For each fused group the C++ backend writes a scalar kernel, then picks a tiling and writes the
+#     vectorized kernels and their tails (``CppKernelProxy.codegen_functions`` in
+#     torch/_inductor/codegen/cpp.py); ``KernelGroup.finalize_kernel`` then writes the loops around
+#     them. What the wrapper allocates is decided by the scalar kernel alone: only its removed and
+#     in-place buffers join the graph's (``V.graph.removed_buffers |= scalar_kernel.removed_buffers``),
+#     the vector kernels being written with ``inplace_buffers`` off. The tiling matters in one more
+#     place: an outer-loop fusion keeps its kernel-local buffers only where its kernels' loops are
+#     tiled alike (``check_outer_fusion_loop_level_attr``), so there the tiling is still chosen
+#     (``TilingSelect``) and applied to the loop nest. The vector kernels and the loops' code, which
+#     no stand-in kernel runs, are not written: a third of a compile of a transformer block here.
+#     Checked in tests/test_compiling.py: the wrappers' code outside the kernels is the same either way.
+
+
+@contextlib.contextmanager
+def _scalar_kernels_only() -> Iterator[None]:
+    """See Note [The C++ kernels' vector loops unwritten]; a no-op where this torch's C++ backend lacks the methods patched."""
+    try:
+        from torch._inductor.codegen import cpp
+        from torch._inductor.virtualized import V
+    except ImportError:
+        yield
+        return
+    proxy, group = getattr(cpp, "CppKernelProxy", None), getattr(cpp, "KernelGroup", None)
+    if not (hasattr(proxy, "codegen_functions") and hasattr(group, "finalize_kernel") and hasattr(cpp, "TilingSelect") and hasattr(cpp, "LocalBufferContext")):
+        yield
+        return
+    write_functions, finalize = proxy.codegen_functions, group.finalize_kernel
+
+    def scalar_functions(self: Any, fn_list: list[Any], var_sizes_list: list[Any]) -> None:
+        isa, self.picked_vec_isa = self.picked_vec_isa, None  # the scalar kernel, and the loop nest
+        try:
+            write_functions(self, fn_list, var_sizes_list)
+        finally:
+            self.picked_vec_isa = isa
+        if isa and self.itervars and isinstance(V.local_buffer_context, cpp.LocalBufferContext):
+            with config_patch(inplace_buffers=False):
+                factors, indices, _ = cpp.TilingSelect().select_tiling(fn_list, var_sizes_list)
+            for index in indices:  # the second of a 2-D tiling takes the first's factor too
+                self.loop_nest.tile(index, factor=factors[0])
+
+    def scheduled_only(self: Any, new_kernel: Any, nodes: list[Any]) -> None:
+        self.scheduled_nodes += nodes
+
+    from torch._inductor.config import patch as config_patch
+
+    proxy.codegen_functions, group.finalize_kernel = scalar_functions, scheduled_only
+    try:
+        yield
+    finally:
+        proxy.codegen_functions, group.finalize_kernel = write_functions, finalize
 
 
 def _load_wrapper(graph: Any, code: str, wrappers: list[str], paths: list[str]) -> types.ModuleType:

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ from fxmem.frontends.checkpointing import checkpoint_regions
 from fxmem.frontends.tracing import Traced, trace_model
 from fxmem.inputs import InputSpec
 
-__all__ = ["NotDeepened", "deepened", "trace_blocks"]
+__all__ = ["CompileGraphs", "NotDeepened", "compile_graphs", "deepened", "trace_blocks"]
 
 
 class NotDeepened(Exception):
@@ -161,7 +162,8 @@ def _trace_blocks(
     cut = _cut_graphs(model, stack, specs, name, leaf_types, frontend) if frontend != "fx" else None
     if cut is not None and {t.frontend for t in cut.values()} == {"export"} and not checkpoint_regions(cut[4].gm):
         with contextlib.suppress(NotDeepened):
-            return Traced(deepened(model, cut[3].gm, cut[4].gm, stack), "export"), (stack, {d: t.gm for d, t in cut.items()})
+            asks = any(t.asks_compiling for t in cut.values())
+            return Traced(deepened(model, cut[3].gm, cut[4].gm, stack), "export", asks), (stack, {d: t.gm for d, t in cut.items()})
     traced = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
     if checkpoint_regions(traced.gm):
         return traced, None
@@ -171,18 +173,70 @@ def _trace_blocks(
 
 
 def _cut_graphs(
-    model: nn.Module, stack: BlockStack, specs: Sequence[InputSpec], name: str, leaf_types: Sequence[type], frontend: str
+    model: nn.Module,
+    stack: BlockStack,
+    specs: Sequence[InputSpec],
+    name: str,
+    leaf_types: Sequence[type],
+    frontend: str,
+    depths: tuple[int, ...] = (3, 4),
+    compiling: bool = False,
 ) -> dict[int, Traced] | None:
-    """The model cut to 3 and 4 blocks, traced; None where it does not trace with fewer blocks (it is
-    then simulated whole)."""
+    """The model cut to each of ``depths`` blocks (3 and 4), traced; None where it does not trace with
+    fewer blocks (it is then simulated whole)."""
     graphs: dict[int, Traced] = {}
-    for depth in (3, 4):
+    for depth in depths:
         with cut_to(model, stack, depth):
             try:
-                graphs[depth] = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend)
+                graphs[depth] = trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=frontend, compiling=compiling)
             except FxmemError:
                 return None
     return graphs
+
+
+@dataclass(frozen=True)
+class CompileGraphs:
+    """What a compiled step compiles, traced as Dynamo sees the code: the whole model's graph, and the
+    model cut to a few blocks of its stack, each made on first use."""
+
+    whole: Callable[[], fx.GraphModule]
+    copy: Callable[[int], fx.GraphModule | None]
+    """The model cut to that many blocks; None where it does not trace so."""
+    depth: int
+    """The stack's full depth; 0 where the model has no block stack to cut (``copy`` then gives None)."""
+
+
+def compile_graphs(
+    model: nn.Module,
+    specs: Sequence[InputSpec],
+    traced: Traced,
+    stack: BlockStack | None,
+    *,
+    name: str,
+    leaf_types: Sequence[type] = (),
+    compute_dtype: torch.dtype | None = None,
+) -> CompileGraphs:
+    """The graphs of ``model``'s compiled step, from its eager trace ``traced``: the same graph where the
+    code never asked whether it was compiled, else traced again as Dynamo runs it (Note [The code
+    Dynamo runs] in dynamo_view.py); copies cut to blocks of ``stack`` traced the same way."""
+    compiling = traced.asks_compiling
+
+    @functools.cache
+    def whole() -> fx.GraphModule:
+        if not compiling:
+            return traced.gm
+        with weights_in(model, compute_dtype):
+            return trace_model(model, specs, name=name, leaf_types=leaf_types, frontend=traced.frontend, compiling=True).gm
+
+    @functools.cache
+    def copy(depth: int) -> fx.GraphModule | None:
+        if stack is None:
+            return None
+        with weights_in(model, compute_dtype):
+            cut = _cut_graphs(model, stack, specs, name, leaf_types, traced.frontend, (depth,), compiling)
+        return cut[depth].gm if cut is not None else None
+
+    return CompileGraphs(whole, copy, stack.depth if stack is not None else 0)
 
 
 def deepened(model: nn.Module, three: fx.GraphModule, four: fx.GraphModule, stack: BlockStack) -> fx.GraphModule:

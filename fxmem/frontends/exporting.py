@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_map
 
 from fxmem.errors import TraceError
 from fxmem.frontends.autograd_functions import functions_kept_whole
+from fxmem.frontends.dynamo_view import viewing_compiled
 from fxmem.frontends.checkpointing import attach_exported_regions, tagging_checkpoints
 from fxmem.frontends.exported_reads import reading_as_eager
 from fxmem.frontends.hf_paths import eager_code_paths, forward_input_names, has_eager_code_paths
@@ -154,7 +155,7 @@ def _suggested_dims(message: str, dims: dict[str, Any]) -> dict[str, Any] | None
 
 def _export_first_that_works(model: nn.Module, specs: Sequence[InputSpec], dynamic: dict[str, Any], device: torch.device) -> Any:
     """See Note [Exporting the eager step's code paths]: the most faithful export that succeeds; the last one's error."""
-    on_cpu, eager_paths = device.type == "meta", has_eager_code_paths()
+    on_cpu, eager_paths = device.type == "meta", has_eager_code_paths() and not viewing_compiled()
     attempts = list(dict.fromkeys([(on_cpu, eager_paths), (on_cpu, False), (False, False)]))  # distinct ones, in order
     first: Exception | None = None
     for cpu, eager in attempts[:-1]:

@@ -14,7 +14,7 @@ import operator
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 
 from fxmem.errors import InputSpecError, TraceError
 from fxmem.frontends.checkpointing import attach_regions, recording_checkpoints
+from fxmem.frontends.dynamo_view import dynamo_view
 from fxmem.frontends.exporting import export_model, export_reason
 from fxmem.frontends.huggingface import prepared_for_training
 from fxmem.frontends.python_scopes import LocalsRecorder
@@ -58,6 +59,10 @@ class Traced:
 
     gm: fx.GraphModule
     frontend: str
+    asks_compiling: bool = False
+    """Whether the model's code asked ``torch.compiler.is_compiling()`` (or ``is_exporting()``) while it was
+    traced: its compiled step is then traced again as Dynamo sees the code (Note [The code Dynamo runs]
+    in dynamo_view.py)."""
 
 
 # Note [Unpacking a tensor]
@@ -163,12 +168,15 @@ def trace_model(
     name: str = "model",
     leaf_types: Sequence[type] = (),
     frontend: str = "auto",
+    compiling: bool = False,
 ) -> Traced:
-    """Trace ``model`` (usually on the meta device): fx first, torch.export when fx fails and ``frontend="auto"``."""
+    """Trace ``model`` (usually on the meta device): fx first, torch.export when fx fails and ``frontend="auto"``;
+    ``compiling``: the model's code is traced as ``torch.compile`` runs it (Note [The code Dynamo runs] in dynamo_view.py)."""
     if frontend not in FRONTENDS:
         raise InputSpecError(f"unknown frontend '{frontend}'; use one of: {', '.join(FRONTENDS)}.")
-    with prepared_for_training(model):  # See Note [A Hugging Face model passed as an object]
-        return _trace(model, specs, name, leaf_types, frontend)
+    with prepared_for_training(model), dynamo_view(compiling) as asked:  # See Note [A Hugging Face model passed as an object]
+        traced = _trace(model, specs, name, leaf_types, frontend)
+    return replace(traced, asks_compiling=asked.asked)
 
 
 def _trace(model: nn.Module, specs: Sequence[InputSpec], name: str, leaf_types: Sequence[type], frontend: str) -> Traced:

@@ -521,7 +521,7 @@ def _compiled_parts(report: Report) -> list[_Part]:
         compiled = "none" if largest is None else f"B={largest} (B={fails} does not fit)"
         rows.append([f"Largest batch in {format_bytes(budget)}", _largest_eager(report), compiled])
     kept = sum(1 for v in c.values if not v.held)
-    copy = "" if c.path == "the whole model" else f" ({c.path}; the counts are the 4-block copy's)"
+    copy = "" if c.path == "the whole model" else f" ({c.path}" + (f"; the counts are the {c.listed_from}-block copy's)" if c.listed_from else ")")
     how = (
         f"torch.compile (default mode) as Inductor compiles it at each batch{copy}: {kept} tensors saved by the compiled forward, "
         f"{c.kernels()} kernel calls; the loss and the optimizer step run eagerly."

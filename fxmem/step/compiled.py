@@ -10,10 +10,11 @@ Note [A compiled step per batch]
     with symbolic sizes the partitioner prices them at their hints (``_size_of`` in
     torch/_functorch/partitioners.py reads ``optimization_hint``), which is not what a static compile
     at another B chose. So no polynomial in B is claimed unseen: the step is compiled at the report's
-    batch, and at two batches for the line (``_line_batches``: max(2, B) and twice it), and the saved
-    bytes are given as ``a*B + c`` only where the partitioner saved the same values at both (their
-    sizes scaled by B); else the report says the choice changed. Every other batch asked about (the
-    largest batch's search) is compiled and simulated itself.
+    batch, and at two batches for the line (``_line_batches``: max(2, B) and twice it; B=1 and B=2
+    where Note [The line from B=1] allows), and the saved bytes are given as ``a*B + c`` only where
+    the partitioner saved the same values at both (their sizes scaled by B); else the report says
+    the choice changed. Every other batch asked about (the largest batch's search) is compiled and
+    simulated itself.
 
 Note [Inductor on a cuda target]
     Inductor's CUDA backend (Triton) cannot run without a GPU, and fake tensors on "cuda" abort on a
@@ -30,14 +31,16 @@ Note [Inductor on a cuda target]
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fxmem.compiling.inductor import CompiledModel, SavedValue, saved_values
+from fxmem.frontends.deepen import CompileGraphs
 from fxmem.gpu.device import DeviceModel
 from fxmem.results import Peak, Timeline
 from fxmem.step.peak import StepPeaks
-from fxmem.step.repeats import NotRepeating
 from fxmem.step.state import HeldState
 from fxmem.symbolic import ByteExpr
 
@@ -76,7 +79,11 @@ class CompiledStep:
     CPU convolutions, which run channels-last; "" where they are Inductor's own plan, exactly."""
     passes: dict[int, CompiledPass] = field(default_factory=dict, repr=False)
     path: str = "the whole model"
-    """What was compiled: the whole model, or copies cut to 3 and 4 blocks (Note [A deep compiled model from its copies])."""
+    """What was compiled: the whole model, or copies cut to a few blocks (Note [A deep compiled model from its copies])."""
+    listed_from: int = 0
+    """The blocks of the copy whose saved values and kernels are listed; 0 where they are the whole model's."""
+    line_batches: tuple[int, int] = (0, 0)
+    """The two batches the line was drawn through (Note [A compiled step per batch])."""
     _largest: dict[int, tuple[int | None, tuple[int, int]]] = field(default_factory=dict, repr=False)
 
     def peak(self, batch: int | None = None) -> Peak:
@@ -88,8 +95,8 @@ class CompiledStep:
     def value_lines(self) -> dict[str, ByteExpr]:
         """Each saved value's bytes as ``a*B + c``, from the two batches the line is drawn through, where
         the same value (by its forward node's name) is saved at both; the whole model's values only."""
-        b1, b2 = _line_batches(self.batch)
-        if self.path != "the whole model" or b1 not in self.passes or b2 not in self.passes:
+        b1, b2 = self.line_batches
+        if self.listed_from or b1 not in self.passes or b2 not in self.passes:
             return {}
         second = {v.name: v.nbytes for v in saved_values(self.passes[b2].model)}
         lines = {v.name: _line_through(b1, v.nbytes, b2, second[v.name]) for v in saved_values(self.passes[b1].model) if v.name in second}
@@ -98,7 +105,8 @@ class CompiledStep:
     def kernels(self) -> int:
         """How many kernel calls Inductor's forward and backward wrappers make (fused groups and ATen calls)."""
         model = self.passes[self.batch].model
-        return sum(code.count("cpp_fused_") // 2 + code.count("extern_kernels.") for code in model.wrappers)
+        calls = re.compile(r"^\s+(?:cpp_fused_\w+|extern_kernels\.\w+)\(", re.MULTILINE)
+        return sum(len(calls.findall(code)) for code in model.wrappers)
 
     def max_batch(self, budget: int, least: int = 1) -> tuple[int | None, tuple[int, int]]:
         """The largest batch whose compiled steady step fits ``budget``, and the two batches that decide
@@ -110,7 +118,7 @@ class CompiledStep:
     def _guess(self, budget: int) -> int:
         """Where the line through the two compiled batches' peaks reaches ``budget``: the tensors' peaks
         give the slope (a GPU's total moves in whole segments), the total at the first the start."""
-        b1, b2 = self.batch, _line_batches(self.batch)[1]
+        b1, b2 = self.batch, self.line_batches[1]
         slope = (self.steps.bytes(b2) - self.steps.bytes(b1)) / (b2 - b1)
         if slope <= 0:
             return b1
@@ -156,45 +164,112 @@ def _line_batches(batch: int) -> tuple[int, int]:
 
 # Note [A deep compiled model from its copies]
 #     Compiling a 32-block model at each batch takes minutes (Dynamo and Inductor over every block),
-#     where the eager step is made from copies cut to 3 and 4 blocks (Note [Repeated blocks]). A
+#     and the eager step is made from copies cut to 3 and 4 blocks (Note [Repeated blocks]). A
 #     compiled step can be made so too, with less: Inductor's wrapper gives no module path to tell one
 #     block's buffers from the next, so the copies' timelines cannot be spliced. What is extended is
-#     each figure: the copies are compiled and simulated, and a figure of N blocks is
-#     ``f(4) + (N - 4) * (f(4) - f(3))``: the saved bytes (each block saves what its partition saves,
-#     the same in every block) and the peak, per category, where the peaks of both copies fall in the
-#     same phase at the same op (the moment that repeats: the backward's start, the optimizer step).
-#     Where they do not, the whole model is compiled instead. On a cuda target the GPU total adds to
-#     the extended peak what the eager step's total adds to its own (the allocator's rounding and the
-#     fixed costs), an estimate like the rest of a cuda target's compiled step.
-#     tests/test_compiling.py holds a 6-block GPT-2 extended so to a real compiled run of all 6 blocks:
-#     saved bytes exact, peak within 2%.
+#     each figure: the model cut to d and d + 1 blocks is compiled and simulated, and a figure of N
+#     blocks is ``f(d + 1) + (N - d - 1) * (f(d + 1) - f(d))``: the saved bytes (each block saves what
+#     its partition saves, the same in every block) and the peak, per category, where the peaks of
+#     both copies fall in the same phase at the same op (the moment that repeats: the backward's
+#     start, the optimizer step). The copies are cut to 1 and 2 blocks first: each compile costs
+#     about a second per block here, and a 7B model's compiled analysis is mostly those compiles.
+#     Where those two peak at different moments (a 1-block Llama peaks in its only block's attention
+#     backward, the 2-block one at the loss's), the copies cut to 3 and 4 blocks are tried, and where
+#     they disagree too the whole model is compiled at that batch. On a cuda target the GPU total
+#     adds to the extended peak what the eager step's total adds to its own (the allocator's rounding
+#     and the fixed costs), an estimate like the rest of a cuda target's compiled step.
+#     tests/test_compiling.py holds a 6-block GPT-2 and a 6-layer HF Llama extended so to real
+#     compiled runs of the whole models: saved bytes exact, peaks within 2%.
+
+
+class _Copies:
+    """One pair of copies, cut to ``depth`` and ``depth + 1`` blocks, each compiled per batch on demand."""
+
+    def __init__(self, depth: int, simulate: Callable[[object], SimulateCompiled], graphs: CompileGraphs, seq: int | None, say: Callable[[str], None]) -> None:
+        self.depth = depth
+        self.passes: tuple[dict[int, CompiledPass], dict[int, CompiledPass]] = ({}, {})
+        self.steps = tuple(
+            StepPeaks(None, {}, _runner(simulate(graphs.copy(d)), passes, say, f"the model cut to {d} block{'s' * (d > 1)}"), seq)
+            for d, passes in zip((depth, depth + 1), self.passes)
+        )
 
 
 class DeepSteps:
     """A deep model's compiled step from its copies' (Note [A deep compiled model from its copies])."""
 
-    def __init__(self, three: StepPeaks, four: StepPeaks, blocks: int, overhead: Callable[[int], int] | None) -> None:
-        self.three, self.four, self.blocks, self.overhead = three, four, blocks, overhead
+    def __init__(
+        self,
+        copies: Callable[[int], _Copies | None],
+        blocks: int,
+        whole: Callable[[], tuple[StepPeaks, dict[int, CompiledPass]]],
+        overhead: Callable[[int], int] | None,
+    ) -> None:
+        self.copies, self.blocks, self.whole, self.overhead = copies, blocks, whole, overhead
         self.device: DeviceModel | None = None
+        self.served: dict[int, tuple[int, str]] = {}
+        """Per batch asked, the copies' depth its figures extend (0: the whole model's, compiled), and why not shallower ones."""
 
-    def _extend(self, v3: int, v4: int) -> int:
-        return v4 + (self.blocks - 4) * (v4 - v3)
+    def _extend(self, depth: int, shallow: int, deeper: int) -> int:
+        """A figure of the whole stack from the copies' (``depth`` and ``depth + 1`` blocks): one more block adds what the last one did."""
+        return deeper + (self.blocks - depth - 1) * (deeper - shallow)
 
     def peak(self, batch: int, *, first_step: bool = False) -> Peak:
-        p3, p4 = self.three.peak(batch, first_step=first_step), self.four.peak(batch, first_step=first_step)
-        if (p3.phase, p3.op) != (p4.phase, p4.op):
-            raise NotRepeating(f"the copies peak at different moments ({p3.phase.value} {p3.op}, {p4.phase.value} {p4.op})")
-        split = {c: self._extend(p3.breakdown.get(c, 0), n) for c, n in p4.breakdown.items()}
-        return replace(p4, bytes=self._extend(p3.bytes, p4.bytes), breakdown=split, event=-1, device=None, estimated=(), upper=None)
+        why: list[str] = []
+        for depth in COPY_DEPTHS:
+            copies = self.copies(depth) if depth + 1 < self.blocks else None
+            if copies is None:
+                continue
+            p, q = (s.peak(batch, first_step=first_step) for s in copies.steps)
+            if (p.phase, p.op) == (q.phase, q.op):
+                self.served.setdefault(batch, (depth, "; ".join(why)))
+                split = {c: self._extend(depth, p.breakdown.get(c, 0), n) for c, n in q.breakdown.items()}
+                return replace(q, bytes=self._extend(depth, p.bytes, q.bytes), breakdown=split, event=-1, device=None, estimated=(), upper=None)
+            why.append(f"the copies cut to {depth} and {depth + 1} blocks peak at different moments ({p.phase.value} {p.op}, {q.phase.value} {q.op})")
+        self.served.setdefault(batch, (0, "; ".join(why)))
+        return self.whole()[0].peak(batch, first_step=first_step)
+
+    def saved(self, batch: int) -> int:
+        """The bytes saved for backward at ``batch``, from what served its peak."""
+        depth = self._served(batch)
+        if not depth:
+            return self.whole()[1][batch].saved
+        shallow, deeper = self.copies(depth).passes  # type: ignore[union-attr]
+        return self._extend(depth, shallow[batch].saved, deeper[batch].saved)
+
+    def first_pair(self, batch: int) -> tuple[int, CompiledPass, int] | None:
+        """The saved bytes at ``batch`` extended from the shallowest copies that trace (what every batch's
+        peak tries first), the deeper copy's pass, and their depth; None without copies."""
+        self.peak(batch)
+        for depth in COPY_DEPTHS:
+            copies = self.copies(depth) if depth + 1 < self.blocks else None
+            if copies is not None:
+                shallow, deeper = copies.passes
+                return self._extend(depth, shallow[batch].saved, deeper[batch].saved), deeper[batch], depth
+        return None
+
+    def compiled(self, batch: int) -> CompiledPass:
+        """The compiled pass whose values stand for ``batch``'s: the deeper copy's, or the whole model's."""
+        depth = self._served(batch)
+        return self.copies(depth).passes[1][batch] if depth else self.whole()[1][batch]  # type: ignore[union-attr]
+
+    def _served(self, batch: int) -> int:
+        self.peak(batch)
+        return self.served[batch][0]
 
     def bytes(self, batch: int, *, first_step: bool = False) -> int:
         return self.peak(batch, first_step=first_step).bytes
 
     def device_bytes(self, batch: int, budget: int | None = None) -> int:
+        if not self._served(batch):
+            return int(self.whole()[0].device_bytes(batch, budget))
         return self.bytes(batch) + (self.overhead(batch) if self.overhead is not None else 0)
 
     def fits(self, batch: int, budget: int) -> bool:
         return self.device_bytes(batch) <= budget
+
+
+COPY_DEPTHS = (1, 3)
+"""The shallower copy of each pair tried, in order (Note [A deep compiled model from its copies])."""
 
 
 def compiled_step(
@@ -204,29 +279,97 @@ def compiled_step(
     device: DeviceModel | None,
     held: HeldState | None,
     say: Callable[[str], None],
+    graphs: CompileGraphs,
     *,
-    copies: tuple[object, object, int] | None = None,
     overhead: Callable[[int], int] | None = None,
-    whole: object = None,
 ) -> CompiledStep:
     """The compiled step at ``batch``, and at two batches for the saved bytes' line (Note [A compiled
     step per batch]); other batches on demand. ``simulate(graph)`` simulates that graph compiled;
-    ``whole`` is the model's graph, ``copies`` (the 3-block graph, the 4-block graph, the number of
-    blocks) where the step may be extended from them (Note [A deep compiled model from its copies]),
-    ``overhead(b)`` then what a GPU adds to the tensors' peak at ``b``."""
-    if copies is not None:
-        try:
-            return _from_copies(simulate, batch, seq, say, copies, overhead, device)
-        except NotRepeating as e:
-            say(f"compiling the whole model ({e})")
-    passes: dict[int, CompiledPass] = {}
-    steps = StepPeaks(None, {}, _runner(simulate(whole), passes, say, "the model"), seq, device=device, held=held, path="the whole model")
-    steps.peak(batch)
-    b1, b2 = _line_batches(batch)
-    steps.peak(b1), steps.peak(b2)
-    line, why = _saved_line(passes[b1], passes[b2], b1, b2)
-    values = saved_values(passes[batch].model)
-    return CompiledStep(batch, passes[batch].saved, values, line, why, steps, _estimate(passes[batch], device), passes)
+    ``graphs`` the model's, whole and cut to a few blocks where the step may be extended from those
+    (Note [A deep compiled model from its copies]), ``overhead(b)`` then what a GPU adds to the tensors' peak at ``b``."""
+
+    @functools.cache
+    def whole() -> tuple[StepPeaks, dict[int, CompiledPass]]:
+        passes: dict[int, CompiledPass] = {}
+        runner = _runner(simulate(graphs.whole()), passes, say, "the whole model" if graphs.depth else "the model")
+        return StepPeaks(None, {}, runner, seq, device=device, held=held, path="the whole model"), passes
+
+    if not graphs.depth:
+        steps, passes = whole()
+        steps.peak(batch)
+
+        def at(b: int) -> tuple[int, CompiledPass]:
+            steps.peak(b)
+            return passes[b].saved, passes[b]
+
+        line, why, drawn = _draw_line(at, batch)
+        here = passes[batch]
+        return CompiledStep(batch, here.saved, saved_values(here.model), line, why, steps, _estimate(here, device), passes, line_batches=drawn)
+    copies = functools.cache(lambda d: _Copies(d, simulate, graphs, seq, say) if graphs.copy(d) is not None and graphs.copy(d + 1) is not None else None)
+    deep = DeepSteps(copies, graphs.depth, whole, overhead)
+    deep.peak(batch)
+    line, why, drawn = _draw_line(functools.partial(_deep_saved, deep), batch)
+    here = deep.compiled(batch)
+    depth, why_not = deep.served[batch]
+    path = f"extended from the model cut to {depth} and {depth + 1} of its {graphs.depth} blocks" if depth else "the whole model"
+    if why_not:
+        path += f" ({why_not})"
+    passes = {b: deep.compiled(b) for b in deep.served}
+    listed = depth + 1 if depth else 0
+    return CompiledStep(batch, deep.saved(batch), saved_values(here.model), line, why, deep, _estimate(here, device), passes, path, listed, drawn)
+
+
+def _deep_saved(deep: DeepSteps, b: int) -> tuple[int, CompiledPass]:
+    """The saved bytes at ``b`` and the pass whose values stand for them, from the shallowest copies,
+    which every batch compiles whatever served its peak: one source for both batches of a line. Where
+    another source served the peak its saved bytes must be the same, else LineNotDrawn."""
+    first = deep.first_pair(b)
+    if first is None:
+        return deep.saved(b), deep.compiled(b)
+    saved, compiled, depth = first
+    if deep.saved(b) != saved:
+        served = deep.served[b][0]
+        other = f"those cut to {served} and {served + 1}" if served else "the whole model"
+        raise LineNotDrawn(f"at B={b} the copies cut to {depth} and {depth + 1} blocks and {other} save different bytes")
+    return saved, compiled
+
+
+class LineNotDrawn(Exception):
+    """Why the saved bytes are not given as ``a*B + c``."""
+
+
+# Note [The line from B=1]
+#     At B=1 the line is drawn through B=1 and B=2 where the partitioner saved the same values at both
+#     and each value's bytes are the same or doubled. B=1 is where a size-1 axis can make a view where
+#     a larger batch makes a copy (a reshape, decomposed by AOTAutograd as a view at B=1 and as
+#     ``clone`` + ``_unsafe_view`` past it), which shows as other values saved; there the line is
+#     drawn through B=2 and B=4 instead, two more compiles (of each copy, for a deep model).
+
+
+def _draw_line(at: Callable[[int], tuple[int, CompiledPass]], batch: int) -> tuple[ByteExpr | None, str, tuple[int, int]]:
+    """The saved bytes as ``a*B + c`` (or why not) and the two batches it is drawn through: the
+    report's and twice it, from B=1 where Note [The line from B=1] allows. ``at(b)`` compiles ``b``."""
+    try:
+        if batch == 1:
+            (s1, p1), (s2, p2) = at(1), at(2)
+            line, _ = _saved_line(p1, p2, 1, 2)
+            if line is not None and _each_scales(p1, p2):
+                return _line_through(1, s1, 2, s2), "", (1, 2)
+        b1, b2 = _line_batches(batch)
+        (s1, p1), (s2, p2) = at(b1), at(b2)
+    except LineNotDrawn as e:
+        return None, str(e), _line_batches(batch)
+    same, why = _saved_line(p1, p2, b1, b2)  # the same values saved at both batches...
+    line = _line_through(b1, s1, b2, s2) if same is not None else None  # ...and the bytes through them
+    if same is not None and line is None:
+        why = f"the saved bytes do not grow by whole bytes per sample between B={b1} and B={b2}"
+    return line, why, (b1, b2)
+
+
+def _each_scales(first: CompiledPass, second: CompiledPass) -> bool:
+    """Whether each value saved at B=1 is saved at B=2 with the same bytes or twice them."""
+    doubled = {v.name: v.nbytes for v in saved_values(second.model)}
+    return all(doubled.get(v.name) in (v.nbytes, 2 * v.nbytes) for v in saved_values(first.model))
 
 
 def _runner(simulate: SimulateCompiled, passes: dict[int, CompiledPass], say: Callable[[str], None], what: str) -> Callable[[int], Timeline]:
@@ -235,33 +378,6 @@ def _runner(simulate: SimulateCompiled, passes: dict[int, CompiledPass], say: Ca
         return simulate(b, lambda model, saved: passes.__setitem__(b, CompiledPass(model, saved)))
 
     return run
-
-
-def _from_copies(
-    simulate: Callable[[object], SimulateCompiled],
-    batch: int,
-    seq: int | None,
-    say: Callable[[str], None],
-    copies: tuple[object, object, int],
-    overhead: Callable[[int], int] | None,
-    device: DeviceModel | None,
-) -> CompiledStep:
-    three_graph, four_graph, blocks = copies
-    three: dict[int, CompiledPass] = {}
-    four: dict[int, CompiledPass] = {}
-    s3 = StepPeaks(None, {}, _runner(simulate(three_graph), three, say, "the model cut to 3 blocks"), seq)
-    s4 = StepPeaks(None, {}, _runner(simulate(four_graph), four, say, "the model cut to 4 blocks"), seq)
-    steps = DeepSteps(s3, s4, blocks, overhead)
-    steps.peak(batch)
-    saved = lambda b: steps._extend(three[b].saved, four[b].saved)
-    b1, b2 = _line_batches(batch)
-    steps.peak(b1), steps.peak(b2)
-    line, why = _saved_line(four[b1], four[b2], b1, b2)  # the same values saved at both batches...
-    if line is not None:  # ...and the whole model's bytes through them
-        line = _line_through(b1, saved(b1), b2, saved(b2))
-    path = f"extended from the model cut to 3 and 4 of its {blocks} blocks"
-    values = saved_values(four[batch].model)
-    return CompiledStep(batch, saved(batch), values, line, why, steps, _estimate(four[batch], device), four, path)
 
 
 def _estimate(compiled: CompiledPass, device: DeviceModel | None) -> str:
