@@ -213,7 +213,7 @@ def test_copies_that_peak_apart_give_way_to_deeper_ones() -> None:
     copies cut to 3 and 4 (Note [A deep compiled model from its copies]), and still equal a real run."""
     model = llama(6)
     report = fxmem.analyze(model, ["B,16:int64"], loss="cross_entropy", optimizer="sgd", batch=4, target="cpu", compile=True)
-    assert report.compiled.path.startswith("extended from the model cut to 3 and 4 of its 6 blocks (the copies cut to 1 and 2"), report.compiled.path
+    assert report.compiled.path.startswith("extended from the model cut to 3 and 4 of its 6 blocks, as the copies cut to 1 and 2"), report.compiled.path
     assert report.compiled.listed_from == 4
     measured = fxmem.measure_peak(model, ["B,16:int64"], 4, loss="cross_entropy", optimizer="sgd", compile=True)
     assert report.compiled.saved == fxmem.measure(model, ["B,16:int64"], 4, loss="cross_entropy", compile=True).total

@@ -12,8 +12,11 @@ Note [The code Dynamo runs]
     on its 2 KV heads; compiled, it builds a (B, 1, S, S) mask and repeats K and V to all 4 heads
     (``repeat_kv``). The compiled step saves those: a real compiled run of a 1-layer test config saved
     10,240 B more than the eager code's graph, compiled, did. So a compiled step is traced from the
-    code Dynamo would trace: the functions answer True while fx traces the model. A model whose
-    trace never asked is the same program either way, and its eager graph serves the compiled step.
+    code Dynamo would trace: while fx or torch.export traces the model, these functions answer the
+    model's code as Dynamo would (torch's own calls get the truth: the tracers run on them), and
+    fxmem's patches that keep transformers on its eager paths under torch.export stay off. A model
+    whose trace never asked is the same program either way, and its eager graph serves the compiled
+    step.
 """
 
 from __future__ import annotations

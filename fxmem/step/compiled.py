@@ -313,7 +313,7 @@ def compiled_step(
     depth, why_not = deep.served[batch]
     path = f"extended from the model cut to {depth} and {depth + 1} of its {graphs.depth} blocks" if depth else "the whole model"
     if why_not:
-        path += f" ({why_not})"
+        path += f", as {why_not}"
     passes = {b: deep.compiled(b) for b in deep.served}
     listed = depth + 1 if depth else 0
     return CompiledStep(batch, deep.saved(batch), saved_values(here.model), line, why, deep, _estimate(here, device), passes, path, listed, drawn)
