@@ -288,8 +288,10 @@ def _analyze(
     if training.compile:
         _check_compilable(gm, plan, peak, name, training.activation_memory_budget)  # peak: ``held`` and ``steps`` are made
         simulator = lambda graph: lambda b, made: simulate(graph, b, None, made)
-        stack = shallow[0] if shallow is not None and held.unchanged else None
-        graphs = compile_graphs(model, _in_dtype(specs, compute), traced, stack, name=name, leaf_types=leaf_types, compute_dtype=compute)
+        stack, copies = (shallow[0], shallow[1]) if shallow is not None and held.unchanged else (None, None)
+        graphs = compile_graphs(
+            model, _in_dtype(specs, compute), traced, stack, traced_copies=copies, name=name, leaf_types=leaf_types, compute_dtype=compute
+        )
         overhead = (lambda b: int(steps.device_bytes(b) - steps.bytes(b))) if device is not None and steps is not None else None
         compiled = compiled_step(simulator, batch, seq, device, held, say, graphs, overhead=overhead)
     return Report(

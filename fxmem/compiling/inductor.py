@@ -263,6 +263,7 @@ def _scalar_kernels_only() -> Iterator[None]:
     """See Note [The C++ kernels' vector loops unwritten]; a no-op where this torch's C++ backend lacks the methods patched."""
     try:
         from torch._inductor.codegen import cpp
+        from torch._inductor.config import patch as config_patch
         from torch._inductor.virtualized import V
     except ImportError:
         yield
@@ -287,8 +288,6 @@ def _scalar_kernels_only() -> Iterator[None]:
 
     def scheduled_only(self: Any, new_kernel: Any, nodes: list[Any]) -> None:
         self.scheduled_nodes += nodes
-
-    from torch._inductor.config import patch as config_patch
 
     proxy.codegen_functions, group.finalize_kernel = scalar_functions, scheduled_only
     try:

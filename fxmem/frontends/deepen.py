@@ -212,13 +212,15 @@ def compile_graphs(
     traced: Traced,
     stack: BlockStack | None,
     *,
+    traced_copies: Mapping[int, fx.GraphModule] | None = None,
     name: str,
     leaf_types: Sequence[type] = (),
     compute_dtype: torch.dtype | None = None,
 ) -> CompileGraphs:
     """The graphs of ``model``'s compiled step, from its eager trace ``traced``: the same graph where the
     code never asked whether it was compiled, else traced again as Dynamo runs it (Note [The code
-    Dynamo runs] in dynamo_view.py); copies cut to blocks of ``stack`` traced the same way."""
+    Dynamo runs] in dynamo_view.py); copies cut to blocks of ``stack`` traced the same way, or taken
+    from ``traced_copies`` (the eager step's, by depth) where the code never asked."""
     compiling = traced.asks_compiling
 
     @functools.cache
@@ -232,6 +234,8 @@ def compile_graphs(
     def copy(depth: int) -> fx.GraphModule | None:
         if stack is None:
             return None
+        if not compiling and traced_copies is not None and depth in traced_copies:
+            return traced_copies[depth]
         with weights_in(model, compute_dtype):
             cut = _cut_graphs(model, stack, specs, name, leaf_types, traced.frontend, (depth,), compiling)
         return cut[depth].gm if cut is not None else None

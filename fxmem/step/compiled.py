@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from fxmem.compiling.inductor import CompiledModel, SavedValue, saved_values
@@ -54,6 +54,10 @@ class CompiledPass:
 
     model: CompiledModel
     saved: int
+
+
+_KERNEL_CALL = re.compile(r"^\s+(?:cpp_fused_\w+|extern_kernels\.\w+)\(", re.MULTILINE)
+"""A kernel call in an Inductor wrapper's ``call``: a fused C++ kernel or an ATen one."""
 
 
 SimulateCompiled = Callable[[int, Callable[[CompiledModel, int], None]], Timeline]
@@ -104,9 +108,7 @@ class CompiledStep:
 
     def kernels(self) -> int:
         """How many kernel calls Inductor's forward and backward wrappers make (fused groups and ATen calls)."""
-        model = self.passes[self.batch].model
-        calls = re.compile(r"^\s+(?:cpp_fused_\w+|extern_kernels\.\w+)\(", re.MULTILINE)
-        return sum(len(calls.findall(code)) for code in model.wrappers)
+        return sum(len(_KERNEL_CALL.findall(code)) for code in self.passes[self.batch].model.wrappers)
 
     def max_batch(self, budget: int, least: int = 1) -> tuple[int | None, tuple[int, int]]:
         """The largest batch whose compiled steady step fits ``budget``, and the two batches that decide
@@ -186,7 +188,6 @@ class _Copies:
     """One pair of copies, cut to ``depth`` and ``depth + 1`` blocks, each compiled per batch on demand."""
 
     def __init__(self, depth: int, simulate: Callable[[object], SimulateCompiled], graphs: CompileGraphs, seq: int | None, say: Callable[[str], None]) -> None:
-        self.depth = depth
         self.passes: tuple[dict[int, CompiledPass], dict[int, CompiledPass]] = ({}, {})
         self.steps = tuple(
             StepPeaks(None, {}, _runner(simulate(graphs.copy(d)), passes, say, f"the model cut to {d} block{'s' * (d > 1)}"), seq)
@@ -215,10 +216,7 @@ class DeepSteps:
 
     def peak(self, batch: int, *, first_step: bool = False) -> Peak:
         why: list[str] = []
-        for depth in COPY_DEPTHS:
-            copies = self.copies(depth) if depth + 1 < self.blocks else None
-            if copies is None:
-                continue
+        for depth, copies in self._pairs():
             p, q = (s.peak(batch, first_step=first_step) for s in copies.steps)
             if (p.phase, p.op) == (q.phase, q.op):
                 self.served.setdefault(batch, (depth, "; ".join(why)))
@@ -240,12 +238,19 @@ class DeepSteps:
         """The saved bytes at ``batch`` extended from the shallowest copies that trace (what every batch's
         peak tries first), the deeper copy's pass, and their depth; None without copies."""
         self.peak(batch)
+        pair = next(self._pairs(), None)
+        if pair is None:
+            return None
+        depth, copies = pair
+        shallow, deeper = copies.passes
+        return self._extend(depth, shallow[batch].saved, deeper[batch].saved), deeper[batch], depth
+
+    def _pairs(self) -> Iterator[tuple[int, _Copies]]:
+        """The pairs of copies to try, shallowest first: those shallower than the model that trace."""
         for depth in COPY_DEPTHS:
             copies = self.copies(depth) if depth + 1 < self.blocks else None
             if copies is not None:
-                shallow, deeper = copies.passes
-                return self._extend(depth, shallow[batch].saved, deeper[batch].saved), deeper[batch], depth
-        return None
+                yield depth, copies
 
     def compiled(self, batch: int) -> CompiledPass:
         """The compiled pass whose values stand for ``batch``'s: the deeper copy's, or the whole model's."""
@@ -352,17 +357,17 @@ def _draw_line(at: Callable[[int], tuple[int, CompiledPass]], batch: int) -> tup
     try:
         if batch == 1:
             (s1, p1), (s2, p2) = at(1), at(2)
-            line, _ = _saved_line(p1, p2, 1, 2)
-            if line is not None and _each_scales(p1, p2):
-                return _line_through(1, s1, 2, s2), "", (1, 2)
+            line = _line_through(1, s1, 2, s2) if _same_values(p1, p2) and _each_scales(p1, p2) else None
+            if line is not None:
+                return line, "", (1, 2)
         b1, b2 = _line_batches(batch)
         (s1, p1), (s2, p2) = at(b1), at(b2)
     except LineNotDrawn as e:
         return None, str(e), _line_batches(batch)
-    same, why = _saved_line(p1, p2, b1, b2)  # the same values saved at both batches...
-    line = _line_through(b1, s1, b2, s2) if same is not None else None  # ...and the bytes through them
-    if same is not None and line is None:
-        why = f"the saved bytes do not grow by whole bytes per sample between B={b1} and B={b2}"
+    if not _same_values(p1, p2):
+        return None, f"the partitioner saved other values at B={b2} than at B={b1}", (b1, b2)
+    line = _line_through(b1, s1, b2, s2)
+    why = "" if line is not None else f"the saved bytes do not grow by whole bytes per sample between B={b1} and B={b2}"
     return line, why, (b1, b2)
 
 
@@ -399,15 +404,10 @@ def _estimate(compiled: CompiledPass, device: DeviceModel | None) -> str:
     return "; ".join(said)
 
 
-def _saved_line(first: CompiledPass, second: CompiledPass, b1: int, b2: int) -> tuple[ByteExpr | None, str]:
-    """``a*B + c`` through the saved bytes at two batches, where the partitioner saved the same values."""
+def _same_values(first: CompiledPass, second: CompiledPass) -> bool:
+    """Whether the partitioner saved the same activations (by their forward nodes' names) in both passes."""
     names = lambda p: sorted(v.name for v in saved_values(p.model) if not v.held)
-    if names(first) != names(second):
-        return None, f"the partitioner saved other values at B={b2} than at B={b1}"
-    line = _line_through(b1, first.saved, b2, second.saved)
-    if line is None:
-        return None, f"the saved bytes do not grow by whole bytes per sample between B={b1} and B={b2}"
-    return line, ""
+    return names(first) == names(second)
 
 
 def _line_through(b1: int, bytes1: int, b2: int, bytes2: int) -> ByteExpr | None:
